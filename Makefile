@@ -26,8 +26,7 @@ test: ## run the test suite (CPU)
 lint: ## ruff (lint + format check) and mypy (strict on protocol/ and scheduler_client/)
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
-	$(PY) -m mypy protocol scheduler_client
-	$(PY) -m mypy worker
+	$(PY) -m mypy --strict protocol scheduler_client
 
 format: ## apply ruff's formatter and autofixes
 	$(PY) -m ruff format .

@@ -1,0 +1,105 @@
+"""A minimal in-process scheduler for worker tests: it builds real ``SchedulerOutput`` messages,
+feeds them to a ``ModelRunner`` and commits what comes back, as the real scheduler does."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol.messages import DraftTokenIds, NewRequest, SamplingParams, SchedulerOutput
+from worker.runner import ModelRunner
+
+
+@dataclass
+class Req:
+    req_id: str
+    prompt: list[int]
+    max_tokens: int
+    k: int = 0
+    arrive: int = 0  # step at which it joins
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    chunk: int = 0  # prefill chunk size (0: whole prompt)
+    out: list[int] = field(default_factory=list)
+    computed: int = 0
+    drafts: int = 0  # width the worker proposed for the next step
+    accepted: int = 0
+    verified: int = 0
+
+
+def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str, list[int]]:
+    pending = sorted(reqs, key=lambda r: r.arrive)
+    running: dict[str, Req] = {}
+    finished: list[str] = []
+    step = 0
+    while (pending or running or finished) and step < max_steps:
+        new = []
+        while pending and pending[0].arrive <= step:
+            r = pending.pop(0)
+            running[r.req_id] = r
+            new.append(NewRequest(r.req_id, np.array(r.prompt, np.int32), r.sampling, r.k))
+        ids, counts, widths = [], [], []
+        for r in running.values():
+            total = len(r.prompt) + len(r.out)
+            if r.computed < len(r.prompt):
+                n = len(r.prompt) - r.computed
+                if r.chunk:
+                    n = min(n, r.chunk)
+                w = 0
+            else:
+                w = r.drafts
+                n = total - r.computed + w
+            ids.append(r.req_id)
+            counts.append(n)
+            widths.append(w)
+        sched = SchedulerOutput(
+            step_id=step,
+            new_requests=new,
+            req_ids=ids,
+            num_scheduled_tokens=np.array(counts, np.int32),
+            num_draft_tokens=np.array(widths, np.int32),
+            draft_token_ids=np.full(sum(widths), -1, np.int32),
+            finished_req_ids=finished,
+            aborted_req_ids=[],
+            structured_req_ids=[],
+        )
+        out, rejected = runner.execute(sched)
+        assert not rejected, rejected
+        drafts = runner.take_draft_tokens()
+        finished = []
+        off = 0
+        for i, req_id in enumerate(out.req_ids):
+            r = running[req_id]
+            n = int(out.num_sampled[i])
+            toks = out.sampled_token_ids[off : off + n].tolist()
+            off += n
+            if n == 0:
+                r.computed += counts[ids.index(req_id)]
+                continue
+            r.computed = len(r.prompt) + len(r.out) + int(out.num_accepted[i])
+            r.accepted += int(out.num_accepted[i])
+            r.verified += int(out.num_draft_tokens[i])
+            r.out.extend(toks)
+            r.drafts = 0
+            if len(r.out) >= r.max_tokens:
+                r.out = r.out[: r.max_tokens]
+                finished.append(req_id)
+        if drafts is not None:
+            check_drafts(drafts, step, running)
+        for req_id in finished:
+            del running[req_id]
+        step += 1
+    assert not pending and not running, f"unfinished after {max_steps} steps"
+    return {r.req_id: r.out for r in reqs}
+
+
+def check_drafts(drafts: DraftTokenIds, step: int, running: dict[str, Req]) -> None:
+    assert drafts.step_id == step
+    for i, req_id in enumerate(drafts.req_ids):
+        r = running[req_id]
+        if len(r.out) >= r.max_tokens:
+            continue  # finishing: the worker may hold tokens past max_tokens
+        assert int(drafts.num_committed_tokens[i]) == len(r.prompt) + len(r.out)
+        w = int(drafts.num_draft_tokens[i])
+        assert w <= r.k
+        r.drafts = w

@@ -1,0 +1,73 @@
+"""Tiny random-weight models (fp32, seeded) and the references the worker must match."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
+
+from worker.attention import ATTN_IMPLEMENTATION
+
+VOCAB = 128
+
+
+def tiny_config(arch: str, *, layers: int = 2, vocab: int = VOCAB) -> PretrainedConfig:
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
+    if arch == "llama":
+        return LlamaConfig(**common)
+    if arch == "qwen2":
+        return Qwen2Config(**common)
+    raise ValueError(arch)
+
+
+def tiny_model(arch: str, seed: int, *, layers: int = 2, vocab: int = VOCAB) -> torch.nn.Module:
+    """A seeded random model using the specd attention."""
+    torch.manual_seed(seed)
+    cfg = tiny_config(arch, layers=layers, vocab=vocab)
+    model = AutoModelForCausalLM.from_config(
+        cfg, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+    )
+    # Larger weights than the default init make logits peaked, so greedy has clear winners.
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(4.0)
+    return model.eval()
+
+
+def save_tiny(arch: str, seed: int, directory: Path, **kw: int) -> Path:
+    model = tiny_model(arch, seed, **kw)
+    model.save_pretrained(str(directory))
+    return directory
+
+
+def reference_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """The same weights with transformers' own sdpa attention."""
+    cfg = copy.deepcopy(model.config)
+    cfg._attn_implementation = "sdpa"
+    ref = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
+    ref.load_state_dict(model.state_dict())
+    return ref.eval()
+
+
+@torch.no_grad()
+def greedy_reference(ref: torch.nn.Module, prompt: list[int], max_tokens: int) -> list[int]:
+    """Target-only greedy decoding, one full forward per token (no cache): the plainest oracle."""
+    ids = list(prompt)
+    for _ in range(max_tokens):
+        logits = ref(torch.tensor([ids])).logits[0, -1]
+        ids.append(int(logits.argmax()))
+    return ids[len(prompt) :]

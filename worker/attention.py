@@ -1,0 +1,100 @@
+"""Attention over the worker's own KV cache, plugged into transformers' attention interface.
+
+The runner calls ``model(..., use_cache=False, specd_meta=meta)``. transformers hands every layer's
+new queries, keys and values (after RoPE) to ``specd_attention`` together with that keyword; the
+function writes the new keys and values into the ``KVCache`` and attends, request by request, over
+each request's history plus its new tokens with a causal mask inside the new tokens. transformers'
+own mask is switched off (``_no_mask``): the ragged batch is one flat sequence, and its mask would be
+wrong and large.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from worker.kv_cache import KVCache
+
+ATTN_IMPLEMENTATION = "specd"
+
+
+@dataclass
+class AttentionMetadata:
+    """One forward's layout. Host lists drive the per-request loop; tensors live on the device."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache row of each new token
+    slots: list[int]  # batch_idx -> cache slot
+    cu_num_tokens: list[int]  # [num_reqs + 1] query offsets in the flat sequence
+    start_positions: list[int]  # batch_idx -> position of its first new token
+    causal_masks: list[torch.Tensor | None]  # batch_idx -> [n, start + n] bool, None if n <= 1
+
+
+def build_metadata(
+    kv_cache: KVCache,
+    slots: list[int],
+    start_positions: list[int],
+    num_tokens: list[int],
+    device: torch.device,
+) -> AttentionMetadata:
+    cu = [0]
+    rows: list[int] = []
+    masks: list[torch.Tensor | None] = []
+    for slot, start, n in zip(slots, start_positions, num_tokens, strict=True):
+        if start + n > kv_cache.max_model_len:
+            raise ValueError(f"position {start + n} exceeds max_model_len {kv_cache.max_model_len}")
+        cu.append(cu[-1] + n)
+        base = slot * kv_cache.max_model_len + start
+        rows.extend(range(base, base + n))
+        if n > 1:
+            q_pos = torch.arange(start, start + n, device=device)
+            masks.append(torch.arange(start + n, device=device)[None, :] <= q_pos[:, None])
+        else:
+            masks.append(None)
+    slot_mapping = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
+    return AttentionMetadata(kv_cache, slot_mapping, slots, cu, start_positions, masks)
+
+
+def specd_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: object,
+) -> tuple[torch.Tensor, None]:
+    """query [1, heads, T, D]; key, value [1, kv_heads, T, D] -> output [1, T, heads, D]."""
+    meta = kwargs.get("specd_meta")
+    assert isinstance(meta, AttentionMetadata), "call the model with specd_meta=AttentionMetadata"
+    layer = module.layer_idx  # type: ignore[attr-defined]
+    cache = meta.kv_cache
+    cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]
+    cu = meta.cu_num_tokens
+    for i, slot in enumerate(meta.slots):
+        a, b = cu[i], cu[i + 1]
+        k, v = cache.view(layer, slot, meta.start_positions[i] + b - a)  # [L, kv_heads, D]
+        o = F.scaled_dot_product_attention(
+            query[:, :, a:b],
+            k.transpose(0, 1)[None],
+            v.transpose(0, 1)[None],
+            attn_mask=meta.causal_masks[i],
+            scale=scaling,
+            enable_gqa=True,
+        )  # [1, heads, n, D]
+        out[a:b] = o[0].transpose(0, 1)
+    return out[None], None
+
+
+def _no_mask(*args: object, **kwargs: object) -> None:
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, specd_attention)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

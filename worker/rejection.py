@@ -1,0 +1,118 @@
+"""Batched verification of drafts against the target (Leviathan et al., 2023).
+
+Greedy rows accept a draft while it equals the target's argmax. Sampled rows accept draft ``d`` with
+probability ``min(1, p(d) / q(d))``; at the first rejection they sample from the normalised
+``max(0, p - q)``; when every draft is accepted they sample a bonus token from ``p``. Drafters without a
+distribution (n-gram) have a one-hot ``q``. The grammar mask is applied to the target logits before
+any of this, so a forbidden draft has ``p = 0`` and is always rejected.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from worker.sampling import probs_from_logits, sample_from
+
+
+@dataclass
+class VerifyInput:
+    """Per step, for the requests that sample. B requests, K = max drafts, R = sum(w_i + 1) rows.
+
+    logits: [R, V] float32, grammar mask already applied; rows of request i are
+    ``cu_rows[i] .. cu_rows[i+1]`` (its w_i drafts' positions, then the bonus position).
+    draft_token_ids: [B, K] (entries past w_i are ignored); num_drafts: [B] (host list).
+    draft_probs: [B, K, V] or None (one-hot drafts); an all-zero row means one-hot too.
+    temperature, top_p: [B] float; top_k: [B] int; greedy: [B] bool.
+    uniforms: [B, K + 2] in [0, 1): K acceptance draws, one for the final sample, one spare.
+    """
+
+    logits: torch.Tensor
+    cu_rows: list[int]
+    num_drafts: list[int]
+    draft_token_ids: torch.Tensor
+    draft_probs: torch.Tensor | None
+    temperature: torch.Tensor
+    top_k: torch.Tensor
+    top_p: torch.Tensor
+    greedy: torch.Tensor
+    uniforms: torch.Tensor
+
+
+@dataclass
+class VerifyOutput:
+    """output_token_ids: [B, K + 1], -1 past num_sampled; num_accepted: [B]."""
+
+    output_token_ids: torch.Tensor
+    num_accepted: torch.Tensor
+
+
+def pad_rows(x: torch.Tensor, cu_rows: list[int], width: int, fill: float) -> torch.Tensor:
+    """Flat rows [R, ...] -> [B, width, ...], padded with ``fill``."""
+    b = len(cu_rows) - 1
+    out = x.new_full((b, width, *x.shape[1:]), fill)
+    lens = [cu_rows[i + 1] - cu_rows[i] for i in range(b)]
+    req = torch.repeat_interleave(
+        torch.arange(b, device=x.device), torch.tensor(lens, device=x.device)
+    )
+    col = (
+        torch.arange(x.shape[0], device=x.device) - torch.tensor(cu_rows[:-1], device=x.device)[req]
+    )
+    out[req, col] = x
+    return out
+
+
+def verify(inp: VerifyInput) -> VerifyOutput:
+    b = len(inp.num_drafts)
+    k = inp.draft_token_ids.shape[1]
+    device = inp.logits.device
+    num_drafts = torch.tensor(inp.num_drafts, device=device)  # [B]
+    pos = torch.arange(k + 1, device=device)[None, :]  # [1, K+1]
+    logits = pad_rows(inp.logits, inp.cu_rows, k + 1, 0.0)  # [B, K+1, V]
+    vocab = logits.shape[-1]
+    drafts = inp.draft_token_ids.long().clamp(min=0)  # [B, K]
+    valid = pos[:, :k] < num_drafts[:, None]  # [B, K]
+
+    # Greedy: accept while the draft equals the argmax; the argmax after the accepted run is the
+    # corrected (or bonus) token, so the output is simply the argmax row.
+    argmax = logits.argmax(-1)  # [B, K+1]
+    greedy_match = (argmax[:, :k] == drafts) & valid
+    greedy_accepted = greedy_match.int().cumprod(-1).sum(-1)  # [B]
+
+    # Sampled rows.
+    temp = torch.where(inp.greedy, torch.ones_like(inp.temperature), inp.temperature)
+    rep = lambda t: t[:, None].expand(b, k + 1).reshape(-1)  # noqa: E731
+    p = probs_from_logits(logits.view(-1, vocab), rep(temp), rep(inp.top_k), rep(inp.top_p))
+    p = p.view(b, k + 1, vocab)
+    q = torch.zeros(b, k, vocab, device=device).scatter_(2, drafts[..., None], 1.0)
+    if inp.draft_probs is not None:
+        # rows the drafter left all-zero (scheduler-supplied ids) stay one-hot
+        has_q = inp.draft_probs.sum(-1, keepdim=True) > 0
+        q = torch.where(has_q, inp.draft_probs, q)
+    p_d = p[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
+    q_d = q.gather(2, drafts[..., None]).squeeze(2)  # [B, K]
+    accept = (inp.uniforms[:, :k] * q_d < p_d) & valid  # u < p/q without dividing by zero
+    sampled_accepted = accept.int().cumprod(-1).sum(-1)  # [B]
+    # The final token: from max(0, p - q) at the first rejected position, or from p at the bonus
+    # position when all w drafts were accepted.
+    at = sampled_accepted  # [B]
+    p_at = p[torch.arange(b, device=device), at]  # [B, V]
+    all_accepted = at >= num_drafts
+    q_at = (
+        q[torch.arange(b, device=device), at.clamp(max=max(k - 1, 0))]
+        if k
+        else torch.zeros_like(p_at)
+    )
+    residual = torch.where(all_accepted[:, None], p_at, (p_at - q_at).clamp(min=0))
+    # A residual of all zeros means p == q exactly there; then sampling from p is exact.
+    empty = residual.sum(-1, keepdim=True) <= 0
+    residual = torch.where(empty, p_at, residual)
+    final = sample_from(residual, inp.uniforms[:, k])  # [B]
+
+    num_accepted = torch.where(inp.greedy, greedy_accepted, sampled_accepted)
+    sampled_row = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)  # [B, K+1] accepted drafts
+    sampled_row = sampled_row.scatter(1, at[:, None], final[:, None])  # ... then the final token
+    tokens = torch.where(inp.greedy[:, None], argmax, sampled_row)
+    tokens = torch.where(pos <= num_accepted[:, None], tokens, torch.full_like(tokens, -1))
+    return VerifyOutput(output_token_ids=tokens, num_accepted=num_accepted)

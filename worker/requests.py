@@ -1,0 +1,131 @@
+"""Persistent per-request state, indexed by slot; separate from the per-step batch.
+
+A request keeps its slot from the step it arrives until it is finished or aborted. Token ids are
+the committed sequence (prompt, then sampled tokens); ``num_computed`` counts the positions whose KV
+is in the target's cache; ``draft_token_ids`` holds the drafts proposed after the last step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.messages import NewRequest
+
+
+class WorkerRequestError(ValueError):
+    """A request the worker cannot serve; ``req_id`` names it and the others keep running."""
+
+    def __init__(self, req_id: str, code: str, message: str) -> None:
+        super().__init__(message)
+        self.req_id = req_id
+        self.code = code
+
+
+@dataclass
+class SamplingState:
+    temperature: float
+    top_k: int
+    top_p: float
+    generator: torch.Generator | None
+
+
+class RequestStates:
+    """Who may call what: the runner adds, commits and removes; drafters read token ids."""
+
+    def __init__(
+        self,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_draft_tokens: int,
+        device: torch.device,
+    ) -> None:
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.device = device
+        self.slot_of: dict[str, int] = {}  # req_id -> slot
+        self.free_slots = list(range(max_num_seqs - 1, -1, -1))
+        self.token_ids = np.zeros((max_num_seqs, max_model_len), np.int32)  # [slot, position]
+        self.num_tokens = np.zeros(max_num_seqs, np.int64)  # committed length
+        self.num_computed = np.zeros(max_num_seqs, np.int64)
+        self.num_speculative = np.zeros(max_num_seqs, np.int64)  # per-request k (0: off)
+        self.structured = np.zeros(max_num_seqs, bool)
+        self.sampling: list[SamplingState | None] = [None] * max_num_seqs
+        # [slot, max_num_draft_tokens] drafts proposed after the last step, on the device
+        self.draft_token_ids = torch.zeros(
+            (max_num_seqs, max(max_num_draft_tokens, 1)), dtype=torch.long, device=device
+        )
+        self.num_drafts = np.zeros(max_num_seqs, np.int64)
+
+    def add(self, req: NewRequest, max_num_draft_tokens: int) -> int:
+        n = len(req.prompt_token_ids)
+        if req.req_id in self.slot_of:
+            raise WorkerRequestError(
+                req.req_id, "duplicate_request", f"request {req.req_id!r} is already running"
+            )
+        if n == 0:
+            raise WorkerRequestError(
+                req.req_id, "empty_prompt", f"request {req.req_id!r} has an empty prompt"
+            )
+        if n >= self.max_model_len:
+            raise WorkerRequestError(
+                req.req_id,
+                "prompt_too_long",
+                f"request {req.req_id!r}: prompt of {n} tokens does not fit max_model_len "
+                f"{self.max_model_len} (with room for one generated token)",
+            )
+        if not self.free_slots:
+            raise WorkerRequestError(
+                req.req_id,
+                "no_free_slot",
+                f"request {req.req_id!r}: all {self.max_num_seqs} slots are busy (max_num_seqs)",
+            )
+        if req.num_speculative_tokens < 0 or req.num_speculative_tokens > max_num_draft_tokens:
+            raise WorkerRequestError(
+                req.req_id,
+                "bad_speculation",
+                f"request {req.req_id!r}: num_speculative_tokens {req.num_speculative_tokens} is "
+                f"outside 0..{max_num_draft_tokens}",
+            )
+        s = req.sampling
+        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+            raise WorkerRequestError(
+                req.req_id,
+                "bad_sampling",
+                f"request {req.req_id!r}: temperature must be >= 0, top_p in (0, 1], top_k >= 0",
+            )
+        slot = self.free_slots.pop()
+        self.slot_of[req.req_id] = slot
+        self.token_ids[slot, :n] = req.prompt_token_ids
+        self.num_tokens[slot] = n
+        self.num_computed[slot] = 0
+        self.num_speculative[slot] = req.num_speculative_tokens
+        self.structured[slot] = req.structured
+        self.num_drafts[slot] = 0
+        gen = None
+        if s.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(s.seed)
+        self.sampling[slot] = SamplingState(s.temperature, s.top_k, s.top_p, gen)
+        return slot
+
+    def remove(self, req_id: str) -> int | None:
+        slot = self.slot_of.pop(req_id, None)
+        if slot is not None:
+            self.sampling[slot] = None
+            self.num_drafts[slot] = 0
+            self.free_slots.append(slot)
+        return slot
+
+    def tokens(self, slot: int) -> np.ndarray:
+        return self.token_ids[slot, : self.num_tokens[slot]]
+
+    def append(self, slot: int, new_tokens: list[int]) -> None:
+        n = int(self.num_tokens[slot])
+        room = self.max_model_len - n
+        new_tokens = new_tokens[:room]
+        self.token_ids[slot, n : n + len(new_tokens)] = new_tokens
+        self.num_tokens[slot] = n + len(new_tokens)

@@ -1,0 +1,411 @@
+"""The step loop's body: execute one ``SchedulerOutput``.
+
+What belongs here: sequencing (update the batch, one target forward, verify, commit, draft) and the
+checks that keep the scheduler and the worker in agreement. What does not: attention (attention.py),
+sampling math (rejection.py, sampling.py), drafting (drafters/), the host copy of drafts
+(draft_tokens.py), sockets (daemon.py).
+
+A step for request r with ``num_computed`` c, committed length L, scheduled n tokens of which w are
+drafts: the worker runs tokens[c : c + n - w] plus the w drafts at positions c .. c + n - 1. When
+c + n - w == L the request samples: its last w + 1 positions are verified and 1 + num_accepted tokens
+are committed; otherwise it was a prefill chunk and nothing is sampled.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
+from worker.draft_tokens import DraftTokensHandler
+from worker.drafters.base import Drafter
+from worker.model_executor import ModelExecutor
+from worker.rejection import VerifyInput, verify
+from worker.requests import RequestStates, WorkerRequestError
+from worker.sampling import apply_bitmask_
+
+
+class StepError(ValueError):
+    """The scheduler's step disagrees with the worker's state; nothing of the step was applied."""
+
+    def __init__(self, code: str, message: str, req_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.req_id = req_id
+
+
+@dataclass
+class StepBatch:
+    """The per-step layout. B = scheduled requests; S = those that sample this step."""
+
+    req_ids: list[str]
+    slots: list[int]  # batch_idx -> slot
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    start_positions: list[int]
+    num_scheduled: list[int]
+    num_drafts: list[int]
+    sample_idx: list[int]  # S batch indices that sample
+    logits_indices: torch.Tensor  # [sum over S of (w + 1)]
+    cu_rows: list[int]  # [S + 1] logit rows of each sampling request
+    draft_token_ids: torch.Tensor  # [S, K]
+    own_drafts: list[np.ndarray]  # batch_idx -> [w] bool: True where the worker's draft is used
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        target: ModelExecutor,
+        drafter: Drafter,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_draft_tokens: int,
+    ) -> None:
+        self.target = target
+        self.drafter = drafter
+        self.device = target.device
+        self.vocab_size = target.vocab_size
+        self.max_num_draft_tokens = max_num_draft_tokens
+        self.states = RequestStates(
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_draft_tokens=max_num_draft_tokens,
+            device=self.device,
+        )
+        self.draft_tokens = DraftTokensHandler(self.device)
+        self.num_steps = 0
+        # Draft distributions from the last proposal, for sampled verification: [P, K, V] and
+        # slot -> row. None when the drafter has none (n-gram) or every request is greedy.
+        self._last_probs: torch.Tensor | None = None
+        self._last_row_of: dict[int, int] = {}
+
+    # -- the step -------------------------------------------------------------------------------
+    def execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
+        """Run one step. Requests the worker refuses come back as errors; the rest run."""
+        self.draft_tokens.begin_step(sched.step_id)
+        rejected = self.update_requests(sched)
+        batch = self.prepare(sched, {e.req_id for e in rejected})
+        if not batch.req_ids:  # a step that only finishes or adds requests
+            self.num_steps += 1
+            return self.output(
+                sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
+            ), rejected
+        logits, _hidden = self.target.forward(
+            batch.input_ids,
+            batch.positions,
+            batch.slots,
+            batch.start_positions,
+            batch.num_scheduled,
+            batch.logits_indices,
+        )  # logits [num_logit_rows, vocab]
+        self.apply_grammar(sched, batch, logits)
+        tokens, num_accepted = self.accept(sched, batch, logits)
+        num_sampled = self.commit(batch, tokens, num_accepted)
+        self.propose_drafts(batch)
+        self.num_steps += 1
+        return self.output(sched.step_id, batch, tokens, num_sampled, num_accepted), rejected
+
+    def take_draft_tokens(self) -> DraftTokenIds | None:
+        return self.draft_tokens.get_draft_tokens()
+
+    # -- parts ----------------------------------------------------------------------------------
+    def update_requests(self, sched: SchedulerOutput) -> list[WorkerRequestError]:
+        gone = [*sched.finished_req_ids, *sched.aborted_req_ids]
+        for req_id in gone:
+            slot = self.states.remove(req_id)
+            if slot is not None:
+                self.drafter.remove(slot)
+        self.draft_tokens.discard(gone)
+        rejected = []
+        for req in sched.new_requests:
+            try:
+                self.states.add(req, self.max_num_draft_tokens)
+            except WorkerRequestError as e:
+                rejected.append(e)
+        return rejected
+
+    def prepare(self, sched: SchedulerOutput, skip: set[str]) -> StepBatch:
+        st = self.states
+        n_reqs = len(sched.req_ids)
+        if not (len(sched.num_scheduled_tokens) == len(sched.num_draft_tokens) == n_reqs):
+            raise StepError(
+                "bad_step",
+                f"step {sched.step_id}: {n_reqs} req_ids but "
+                f"{len(sched.num_scheduled_tokens)} token counts and "
+                f"{len(sched.num_draft_tokens)} draft widths",
+            )
+        if int(sched.num_draft_tokens.sum()) != len(sched.draft_token_ids):
+            raise StepError(
+                "bad_step",
+                f"step {sched.step_id}: draft widths sum to "
+                f"{int(sched.num_draft_tokens.sum())} but {len(sched.draft_token_ids)} "
+                "draft ids were sent",
+            )
+        req_ids, slots, starts, counts, widths = [], [], [], [], []
+        ids_np: list[np.ndarray] = []
+        draft_src: list[tuple[int, int, int, int]] = []  # (flat offset, slot, width, sched offset)
+        sample_idx: list[int] = []
+        own: list[np.ndarray] = []
+        logit_rows: list[int] = []
+        cu_rows = [0]
+        flat = 0
+        sched_off = 0
+        for i, req_id in enumerate(sched.req_ids):
+            n = int(sched.num_scheduled_tokens[i])
+            w = int(sched.num_draft_tokens[i])
+            d_off, sched_off = sched_off, sched_off + w
+            if req_id in skip:
+                continue
+            slot = st.slot_of.get(req_id)
+            if slot is None:
+                raise StepError(
+                    "unknown_request",
+                    f"step {sched.step_id}: request {req_id!r} is not running on this worker",
+                    req_id,
+                )
+            c, length = int(st.num_computed[slot]), int(st.num_tokens[slot])
+            m = n - w
+            if m < 1 or c + m > length:
+                raise StepError(
+                    "bad_step",
+                    f"step {sched.step_id}: request {req_id!r} scheduled "
+                    f"{n} tokens with {w} drafts, but has {length - c} uncomputed "
+                    "tokens",
+                    req_id,
+                )
+            if w and c + m != length:
+                raise StepError(
+                    "bad_step", f"request {req_id!r}: drafts scheduled during prefill", req_id
+                )
+            placeholders = sched.draft_token_ids[d_off : d_off + w] < 0
+            proposed = int(st.num_drafts[slot])
+            if placeholders.any() and int(np.flatnonzero(placeholders).max()) >= proposed:
+                raise StepError(
+                    "width_mismatch",
+                    f"step {sched.step_id}: request {req_id!r} scheduled {w} drafts but the "
+                    f"worker proposed {proposed}",
+                    req_id,
+                )
+            if c + n > st.max_model_len:
+                raise StepError(
+                    "too_long",
+                    f"request {req_id!r} would reach position {c + n}, "
+                    f"over max_model_len {st.max_model_len}",
+                    req_id,
+                )
+            ids_np.append(st.token_ids[slot, c : c + m])
+            ids_np.append(np.where(placeholders, 0, sched.draft_token_ids[d_off : d_off + w]))
+            if placeholders.any():
+                draft_src.append((flat + m, slot, w, d_off))
+            own.append(placeholders)
+            req_ids.append(req_id)
+            slots.append(slot)
+            starts.append(c)
+            counts.append(n)
+            widths.append(w)
+            if c + m == length:
+                sample_idx.append(len(req_ids) - 1)
+                logit_rows.extend(range(flat + m - 1, flat + n))
+                cu_rows.append(cu_rows[-1] + w + 1)
+            flat += n
+        device = self.device
+        input_ids = (
+            torch.from_numpy(np.concatenate(ids_np).astype(np.int64))
+            if ids_np
+            else torch.zeros(0, dtype=torch.long)
+        )
+        input_ids = input_ids.to(device, non_blocking=True)
+        for flat_off, slot, w, d_off in draft_src:
+            # Drafts the worker kept on its device fill the placeholders; scheduler ids stay.
+            keep = torch.from_numpy(sched.draft_token_ids[d_off : d_off + w] < 0).to(device)
+            seg = input_ids[flat_off : flat_off + w]
+            input_ids[flat_off : flat_off + w] = torch.where(
+                keep, st.draft_token_ids[slot, :w], seg
+            )
+        positions = torch.from_numpy(
+            np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+            if counts
+            else np.zeros(0, np.int64)
+        ).to(device, non_blocking=True)
+        kmax = max((widths[i] for i in sample_idx), default=0)
+        drafts = torch.zeros((len(sample_idx), max(kmax, 1)), dtype=torch.long, device=device)
+        bounds = np.cumsum([0, *counts])
+        for j, i in enumerate(sample_idx):
+            w = widths[i]
+            if w:
+                drafts[j, :w] = input_ids[bounds[i + 1] - w : bounds[i + 1]]
+        return StepBatch(
+            req_ids=req_ids,
+            slots=slots,
+            input_ids=input_ids,
+            positions=positions,
+            start_positions=starts,
+            num_scheduled=counts,
+            num_drafts=widths,
+            sample_idx=sample_idx,
+            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=device),
+            cu_rows=cu_rows,
+            draft_token_ids=drafts,
+            own_drafts=own,
+        )
+
+    def apply_grammar(self, sched: SchedulerOutput, batch: StepBatch, logits: torch.Tensor) -> None:
+        """Each structured request's bitmask rows go onto exactly its own logit rows."""
+        if sched.grammar_bitmask is None or not sched.structured_req_ids:
+            return
+        cu = sched.cu_bitmask_rows
+        if cu is None or len(cu) != len(sched.structured_req_ids) + 1:
+            raise StepError(
+                "bad_step",
+                f"step {sched.step_id}: cu_bitmask_rows must have "
+                f"{len(sched.structured_req_ids) + 1} entries",
+            )
+        where = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_idx)}
+        rows: list[int] = []
+        mask_rows: list[int] = []
+        for k, req_id in enumerate(sched.structured_req_ids):
+            j = where.get(req_id)
+            have = int(cu[k + 1] - cu[k])
+            if j is None:
+                if have:
+                    raise StepError(
+                        "bad_step",
+                        f"bitmask rows for {req_id!r}, which does not sample this step",
+                        req_id,
+                    )
+                continue
+            need = batch.cu_rows[j + 1] - batch.cu_rows[j]
+            if have != need:
+                raise StepError(
+                    "width_mismatch",
+                    f"step {sched.step_id}: request {req_id!r} has {have} bitmask rows but "
+                    f"{need - 1} drafts scheduled (needs {need} rows)",
+                    req_id,
+                )
+            rows.extend(range(batch.cu_rows[j], batch.cu_rows[j + 1]))
+            mask_rows.extend(range(int(cu[k]), int(cu[k + 1])))
+        if rows:
+            bitmask = torch.from_numpy(np.ascontiguousarray(sched.grammar_bitmask[mask_rows]))
+            apply_bitmask_(
+                logits,
+                torch.tensor(rows, device=logits.device),
+                bitmask.to(logits.device, non_blocking=True),
+            )
+
+    def accept(
+        self, sched: SchedulerOutput, batch: StepBatch, logits: torch.Tensor
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Verify drafts. The one designed host sync for sampled tokens is the copy at the end."""
+        if not batch.sample_idx:
+            return np.zeros((0, 1), np.int64), np.zeros(0, np.int64)
+        params = [self.states.sampling[batch.slots[i]] for i in batch.sample_idx]
+        device = self.device
+        k = batch.draft_token_ids.shape[1]
+        uniforms = torch.stack(
+            [
+                torch.rand(k + 2, generator=p.generator, device=device)  # type: ignore[union-attr]
+                for p in params
+            ]
+        )
+        inp = VerifyInput(
+            logits=logits,
+            cu_rows=batch.cu_rows,
+            num_drafts=[batch.num_drafts[i] for i in batch.sample_idx],
+            draft_token_ids=batch.draft_token_ids,
+            draft_probs=self._draft_probs(batch, sched),
+            temperature=torch.tensor([p.temperature for p in params], device=device),  # type: ignore[union-attr]
+            top_k=torch.tensor([p.top_k for p in params], device=device),  # type: ignore[union-attr]
+            top_p=torch.tensor([p.top_p for p in params], device=device),  # type: ignore[union-attr]
+            greedy=torch.tensor([p.temperature == 0 for p in params], device=device),  # type: ignore[union-attr]
+            uniforms=uniforms,
+        )
+        out = verify(inp)
+        return out.output_token_ids.cpu().numpy(), out.num_accepted.cpu().numpy()
+
+    def _draft_probs(self, batch: StepBatch, sched: SchedulerOutput) -> torch.Tensor | None:
+        """q for each verified draft: the drafter's distribution where the worker's own draft is
+        used; an all-zero row (read as one-hot by ``verify``) where the scheduler supplied the id."""
+        probs = self._last_probs
+        if probs is None:
+            return None
+        k = batch.draft_token_ids.shape[1]
+        out = torch.zeros((len(batch.sample_idx), k, probs.shape[-1]), device=probs.device)
+        for j, i in enumerate(batch.sample_idx):
+            r = self._last_row_of.get(batch.slots[i], -1)
+            w = min(batch.num_drafts[i], probs.shape[1])
+            if r < 0 or w == 0:
+                continue
+            own = torch.from_numpy(batch.own_drafts[i][:w]).to(probs.device)
+            out[j, :w] = probs[r, :w] * own[:, None]
+        return out
+
+    def commit(self, batch: StepBatch, tokens: np.ndarray, num_accepted: np.ndarray) -> list[int]:
+        """Append sampled tokens; move each request's computed length past its accepted drafts.
+        Rejected positions stay in the cache and are overwritten later."""
+        st = self.states
+        num_sampled = [0] * len(batch.req_ids)
+        for i, slot in enumerate(batch.slots):
+            c = st.num_computed[slot]
+            st.num_computed[slot] = c + batch.num_scheduled[i] - batch.num_drafts[i]
+        for j, i in enumerate(batch.sample_idx):
+            slot = batch.slots[i]
+            a = int(num_accepted[j])
+            st.append(slot, tokens[j, : a + 1].tolist())
+            st.num_computed[slot] += a
+            num_sampled[i] = a + 1
+        return num_sampled
+
+    def propose_drafts(self, batch: StepBatch) -> None:
+        st = self.states
+        slots = [batch.slots[i] for i in batch.sample_idx]
+        req_ids = [batch.req_ids[i] for i in batch.sample_idx]
+        widths = [
+            int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in slots
+        ]
+        self._last_probs, self._last_row_of = None, {}
+        if not slots:
+            return
+        proposal = self.drafter.propose(st, slots, widths)
+        num = np.asarray(proposal.num_drafts, np.int64)
+        for j, s in enumerate(slots):
+            st.num_drafts[s] = num[j]
+            if num[j]:
+                st.draft_token_ids[s, : num[j]] = proposal.token_ids[j, : num[j]]
+        if proposal.probs is not None:
+            self._last_probs = proposal.probs
+            self._last_row_of = {s: j for j, s in enumerate(slots)}
+        self.draft_tokens.set_draft_tokens(
+            req_ids,
+            proposal.token_ids,
+            num,
+            st.num_tokens[slots],
+            st.structured[slots],
+        )
+
+    def output(
+        self,
+        step_id: int,
+        batch: StepBatch,
+        tokens: np.ndarray,
+        num_sampled: list[int],
+        num_accepted: np.ndarray,
+    ) -> ModelRunnerOutput:
+        flat = [tokens[j, : num_sampled[i]] for j, i in enumerate(batch.sample_idx)]
+        accepted = np.zeros(len(batch.req_ids), np.int32)
+        drafts = np.zeros(len(batch.req_ids), np.int32)
+        for j, i in enumerate(batch.sample_idx):
+            accepted[i] = num_accepted[j]
+            drafts[i] = batch.num_drafts[i]
+        return ModelRunnerOutput(
+            step_id=step_id,
+            req_ids=batch.req_ids,
+            num_sampled=np.asarray(num_sampled, np.int32),
+            sampled_token_ids=np.concatenate(flat).astype(np.int32)
+            if flat
+            else np.zeros(0, np.int32),
+            num_draft_tokens=drafts,
+            num_accepted=accepted,
+        )
