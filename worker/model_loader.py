@@ -11,6 +11,7 @@ import hashlib
 import importlib.util
 import logging
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -91,7 +92,10 @@ def _gguf_to_plain(gguf: Path, cache_root: Path) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     plain.save_pretrained(str(tmp))
     tok.save_pretrained(str(tmp))
-    os.replace(tmp, out) if not out.exists() else None
+    try:
+        os.replace(tmp, out)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -71,13 +71,15 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     pos = torch.arange(k + 1, device=device)[None, :]  # [1, K+1]
     logits = pad_rows(inp.logits, inp.cu_rows, k + 1, 0.0)  # [B, K+1, V]
     vocab = logits.shape[-1]
-    drafts = inp.draft_token_ids.long().clamp(min=0)  # [B, K]
+    in_vocab = (inp.draft_token_ids >= 0) & (inp.draft_token_ids < vocab)  # [B, K]
+    drafts = torch.where(in_vocab, inp.draft_token_ids.long(), 0)  # [B, K]
+    # an id outside the vocabulary is a draft the target can never accept
     valid = pos[:, :k] < num_drafts[:, None]  # [B, K]
 
     # Greedy: accept while the draft equals the argmax; the argmax after the accepted run is the
     # corrected (or bonus) token, so the output is simply the argmax row.
     argmax = logits.argmax(-1)  # [B, K+1]
-    greedy_match = (argmax[:, :k] == drafts) & valid
+    greedy_match = (argmax[:, :k] == drafts) & valid & in_vocab
     greedy_accepted = greedy_match.int().cumprod(-1).sum(-1)  # [B]
 
     # Sampled rows.
@@ -92,7 +94,7 @@ def verify(inp: VerifyInput) -> VerifyOutput:
         q = torch.where(has_q, inp.draft_probs, q)
     p_d = p[:, :k].gather(2, drafts[..., None]).squeeze(2)  # [B, K]
     q_d = q.gather(2, drafts[..., None]).squeeze(2)  # [B, K]
-    accept = (inp.uniforms[:, :k] * q_d < p_d) & valid  # u < p/q without dividing by zero
+    accept = (inp.uniforms[:, :k] * q_d < p_d) & valid & in_vocab  # u < p/q, no division
     sampled_accepted = accept.int().cumprod(-1).sum(-1)  # [B]
     # The final token: from max(0, p - q) at the first rejected position, or from p at the bonus
     # position when all w drafts were accepted.

@@ -87,7 +87,14 @@ class ModelRunner:
         """Run one step. Requests the worker refuses come back as errors; the rest run."""
         self.draft_tokens.begin_step(sched.step_id)
         rejected = self.update_requests(sched)
-        batch = self.prepare(sched, {e.req_id for e in rejected})
+        try:
+            batch = self.prepare(sched, {e.req_id for e in rejected})
+        except StepError:
+            # Nothing of a refused step stays applied: its new requests leave again.
+            for req in sched.new_requests:
+                if req.req_id not in {e.req_id for e in rejected}:
+                    self.states.remove(req.req_id)
+            raise
         if not batch.req_ids:  # a step that only finishes or adds requests
             self.num_steps += 1
             return self.output(
@@ -107,6 +114,14 @@ class ModelRunner:
         self.propose_drafts(batch)
         self.num_steps += 1
         return self.output(sched.step_id, batch, tokens, num_sampled, num_accepted), rejected
+
+    def reset(self) -> None:
+        """Drop every request (a new scheduler took over)."""
+        for req_id in list(self.states.slot_of):
+            slot = self.states.remove(req_id)
+            if slot is not None:
+                self.drafter.remove(slot)
+        self.draft_tokens.begin_step(-1)
 
     def take_draft_tokens(self) -> DraftTokenIds | None:
         return self.draft_tokens.get_draft_tokens()
@@ -181,6 +196,13 @@ class ModelRunner:
                     "bad_step", f"request {req_id!r}: drafts scheduled during prefill", req_id
                 )
             placeholders = sched.draft_token_ids[d_off : d_off + w] < 0
+            if (sched.draft_token_ids[d_off : d_off + w] >= self.vocab_size).any():
+                raise StepError(
+                    "bad_step",
+                    f"request {req_id!r}: a draft id is outside the "
+                    f"vocabulary of {self.vocab_size}",
+                    req_id,
+                )
             proposed = int(st.num_drafts[slot])
             if placeholders.any() and int(np.flatnonzero(placeholders).max()) >= proposed:
                 raise StepError(

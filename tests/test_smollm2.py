@@ -1,0 +1,54 @@
+"""One short lossless run on the embedded SmolLM2-135M (real weights, fp32, CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from tests.driver import Req, run
+from tests.models import greedy_reference, reference_copy
+from worker.drafters.ngram import NgramDrafter
+from worker.model_executor import ModelExecutor
+from worker.model_loader import EMBEDDED_MODEL, load_model
+from worker.runner import ModelRunner
+
+pytestmark = pytest.mark.slow
+
+EDIT_PROMPT = (
+    "<|im_start|>user\nFix the typo in this code and return all of it:\n"
+    "def add(a, b):\n    retrun a + b\n\nprint(add(1, 2))<|im_end|>\n<|im_start|>assistant\n"
+)
+CHAT_PROMPT = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> tuple[torch.nn.Module, str]:
+    loaded = load_model(EMBEDDED_MODEL, device=torch.device("cpu"))
+    assert loaded.model.dtype == torch.float32
+    return loaded.model, loaded.directory
+
+
+def test_smollm2_ngram_greedy_equals_target_greedy(smollm2: tuple[torch.nn.Module, str]) -> None:
+    model, directory = smollm2
+    tok = Tokenizer.from_file(f"{directory}/tokenizer.json")
+    prompts = [tok.encode(p).ids for p in (EDIT_PROMPT, CHAT_PROMPT)]
+    runner = ModelRunner(
+        ModelExecutor(model, max_num_seqs=2, max_model_len=256),
+        NgramDrafter(min_n=1, max_n=4, max_num_tokens=4),
+        max_num_seqs=2,
+        max_model_len=256,
+        max_num_draft_tokens=4,
+    )
+    reqs = [Req("edit", prompts[0], 24, k=4), Req("chat", prompts[1], 16, k=4, arrive=1)]
+    got = run(runner, reqs)
+    ref = reference_copy(model)
+    for r, p in zip(reqs, prompts, strict=True):
+        want = greedy_reference(ref, p, r.max_tokens)
+        assert got[r.req_id] == want, (tok.decode(got[r.req_id]), tok.decode(want))
+    edit = reqs[0]
+    assert edit.verified > 0 and edit.accepted > 0, "the edit prompt should accept n-gram drafts"
+    print(
+        "edit acceptance", edit.accepted / edit.verified, tok.decode(np.array(got["edit"]).tolist())
+    )

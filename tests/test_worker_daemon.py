@@ -1,0 +1,180 @@
+"""specd-worker as a real process, driven over ipc:// by a small client."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+
+from protocol import (
+    PROTOCOL_MAJOR,
+    DraftTokenIds,
+    ModelRunnerOutput,
+    NewRequest,
+    Ping,
+    Pong,
+    SamplingParams,
+    SchedulerHello,
+    SchedulerOutput,
+    Shutdown,
+    TransportConfig,
+    WorkerError,
+    WorkerReady,
+    connect_dealer,
+)
+from protocol.transport import Channel
+from tests.models import greedy_reference, reference_copy, save_tiny, tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny("llama", 11, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture
+def worker(model_dir: Path, ipc_addr: str) -> Iterator[tuple[subprocess.Popen[bytes], Channel]]:
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.daemon",
+            "--model",
+            str(model_dir),
+            "--device",
+            "cpu",
+            "--drafter",
+            "ngram",
+            "--num-speculative-tokens",
+            "3",
+            "--listen",
+            ipc_addr,
+            "--max-num-seqs",
+            "4",
+            "--max-model-len",
+            "64",
+        ],
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    chan = connect_dealer(ctx, ipc_addr, TransportConfig(send_timeout_ms=60_000))
+    try:
+        yield proc, chan
+    finally:
+        chan.close()
+        ctx.term()
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def recv(chan: Channel, timeout_ms: int = 60_000) -> object:
+    got = chan.recv(timeout_ms)
+    assert got is not None, "worker did not answer in time"
+    return got[1]
+
+
+def step(
+    step_id: int,
+    new: list[NewRequest],
+    ids: list[str],
+    counts: list[int],
+    widths: list[int] | None = None,
+) -> SchedulerOutput:
+    widths = widths or [0] * len(ids)
+    return SchedulerOutput(
+        step_id=step_id,
+        new_requests=new,
+        req_ids=ids,
+        num_scheduled_tokens=np.array(counts, np.int32),
+        num_draft_tokens=np.array(widths, np.int32),
+        draft_token_ids=np.full(sum(widths), -1, np.int32),
+        finished_req_ids=[],
+        aborted_req_ids=[],
+        structured_req_ids=[],
+    )
+
+
+def test_handshake_bad_message_then_good_steps(
+    worker: tuple[subprocess.Popen[bytes], Channel], model_dir: Path
+) -> None:
+    proc, chan = worker
+    chan.send(SchedulerHello(protocol_major=PROTOCOL_MAJOR, protocol_minor=0, scheduler_id="t"))
+    ready = recv(chan, timeout_ms=120_000)
+    assert isinstance(ready, WorkerReady)
+    assert ready.vocab_size == 128 and ready.max_num_seqs == 4 and ready.drafter == "ngram"
+    assert ready.kv_capacity_tokens == 4 * 64
+
+    # garbage: answered with a typed error, the worker keeps serving
+    chan.sock.send_multipart([b"\x93\x01\x00\xa5bogus"])
+    err = recv(chan)
+    assert isinstance(err, WorkerError) and not err.fatal
+    assert err.code in ("unknown_tag", "bad_field")
+
+    # a step for a request the worker never saw: refused, named
+    chan.send(step(0, [], ["ghost"], [1]))
+    err = recv(chan)
+    assert isinstance(err, WorkerError) and err.code == "unknown_request" and err.req_id == "ghost"
+
+    # a prompt longer than the model: refused for that request only
+    too_long = NewRequest("big", np.arange(100, dtype=np.int32) % 100, SamplingParams(), 0)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]
+    ok = NewRequest("a", np.array(prompt, np.int32), SamplingParams(), 3)
+    chan.send(step(1, [too_long, ok], ["big", "a"], [100, len(prompt)]))
+    err = recv(chan)
+    assert isinstance(err, WorkerError) and err.code == "prompt_too_long" and err.req_id == "big"
+    out = recv(chan)
+    assert isinstance(out, ModelRunnerOutput) and out.req_ids == ["a"]
+    drafts = recv(chan)
+    assert isinstance(drafts, DraftTokenIds) and drafts.step_id == 1
+    assert drafts.num_committed_tokens.tolist() == [len(prompt) + 1]
+
+    # decode until 10 tokens, verifying whatever the worker drafted
+    tokens = out.sampled_token_ids.tolist()
+    width = int(drafts.num_draft_tokens[0])
+    sid = 2
+    while len(tokens) < 10:
+        chan.send(step(sid, [], ["a"], [1 + width], [width]))
+        out = recv(chan)
+        assert isinstance(out, ModelRunnerOutput), out
+        tokens += out.sampled_token_ids.tolist()
+        drafts = recv(chan)
+        assert isinstance(drafts, DraftTokenIds) and drafts.step_id == sid
+        width = int(drafts.num_draft_tokens[0])
+        sid += 1
+    ref = reference_copy(tiny_model("llama", 11))
+    assert tokens[:10] == greedy_reference(ref, prompt, 10)
+
+    # a width the worker never proposed is an error naming both numbers
+    chan.send(step(sid, [], ["a"], [1 + width + 1], [width + 1]))
+    err = recv(chan)
+    assert isinstance(err, WorkerError) and err.code == "width_mismatch"
+    assert f"scheduled {width + 1} drafts" in err.message and f"proposed {width}" in err.message
+
+    chan.send(Ping(seq=42))
+    pong = recv(chan)
+    assert isinstance(pong, Pong) and pong.seq == 42 and pong.num_steps >= sid - 1
+
+    chan.send(Shutdown(reason="test over"))
+    assert proc.wait(timeout=30) == 0
+
+
+def test_bad_flags_exit_2(model_dir: Path) -> None:
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "worker.daemon",
+            "--model",
+            str(model_dir),
+            "--drafter",
+            "draft_model",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2
+    assert "--draft-model" in out.stderr

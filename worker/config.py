@@ -1,0 +1,106 @@
+"""The worker's configuration: one frozen, keyword-only dataclass, validated at start-up."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+
+from worker.model_loader import EMBEDDED_MODEL
+
+DRAFTERS = ("none", "ngram", "draft_model")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerConfig:
+    model: str = EMBEDDED_MODEL
+    drafter: str = "ngram"
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    ngram_min: int = 1
+    ngram_max: int = 4
+    listen: str = "ipc:///tmp/specd-worker.sock"
+    device: str | None = None  # None: CUDA when present
+    dtype: str | None = None  # None: bf16 on CUDA, float32 on CPU
+    max_num_seqs: int = 16
+    max_model_len: int = 2048
+    log_level: str = "INFO"
+
+    def __post_init__(self) -> None:
+        if self.drafter not in DRAFTERS:
+            raise ValueError(
+                f"--drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}"
+            )
+        if self.drafter == "draft_model" and not self.draft_model:
+            raise ValueError("--drafter draft_model needs --draft-model PATH")
+        if self.drafter != "draft_model" and self.draft_model:
+            raise ValueError("--draft-model is only used with --drafter draft_model")
+        if not 0 <= self.num_speculative_tokens <= 16:
+            raise ValueError("--num-speculative-tokens must be between 0 and 16")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ValueError("n-gram sizes need 1 <= --ngram-min <= --ngram-max")
+        if self.max_num_seqs < 1 or self.max_model_len < 2:
+            raise ValueError("--max-num-seqs must be >= 1 and --max-model-len >= 2")
+        if self.dtype not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError("--dtype must be float32, bfloat16 or float16")
+        if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError("--device must be cpu or cuda[:N]")
+        from protocol.transport import validate_address
+
+        validate_address(self.listen)
+
+
+def parse_args(argv: list[str] | None) -> WorkerConfig:
+    ap = argparse.ArgumentParser(
+        prog="specd-worker",
+        description="The specd worker daemon: runs a target model and a drafter and executes the "
+        "scheduler's steps over ZeroMQ.",
+        epilog="Exit codes: 0 clean shutdown; 1 fatal error while serving; 2 bad configuration; "
+        "3 model load failed.",
+    )
+    d = WorkerConfig()
+    ap.add_argument(
+        "--model",
+        default=d.model,
+        help=f"target: {EMBEDDED_MODEL}, a transformers directory, or a .gguf file",
+    )
+    ap.add_argument("--drafter", default=d.drafter, choices=DRAFTERS, help="how drafts are made")
+    ap.add_argument("--draft-model", default=None, help="draft model (with --drafter draft_model)")
+    ap.add_argument(
+        "--num-speculative-tokens",
+        type=int,
+        default=d.num_speculative_tokens,
+        help="maximum drafts per request per step (requests may ask for fewer)",
+    )
+    ap.add_argument("--ngram-min", type=int, default=d.ngram_min, help="shortest n-gram to match")
+    ap.add_argument("--ngram-max", type=int, default=d.ngram_max, help="longest n-gram to match")
+    ap.add_argument("--listen", default=d.listen, help="ipc://PATH or tcp://HOST:PORT to bind")
+    ap.add_argument("--device", default=None, help="cpu or cuda[:N] (default: CUDA when present)")
+    ap.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=d.max_num_seqs,
+        help="KV slots: the most requests running at once",
+    )
+    ap.add_argument(
+        "--max-model-len",
+        type=int,
+        default=d.max_model_len,
+        help="the longest sequence (prompt + output) in tokens",
+    )
+    ap.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING or ERROR")
+    a = ap.parse_args(argv)
+    return WorkerConfig(
+        model=a.model,
+        drafter=a.drafter,
+        draft_model=a.draft_model,
+        num_speculative_tokens=a.num_speculative_tokens,
+        ngram_min=a.ngram_min,
+        ngram_max=a.ngram_max,
+        listen=a.listen,
+        device=a.device,
+        dtype=a.dtype,
+        max_num_seqs=a.max_num_seqs,
+        max_model_len=a.max_model_len,
+        log_level=a.log_level,
+    )

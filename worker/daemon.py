@@ -1,0 +1,248 @@
+"""``specd-worker``: bind, load, handshake, then execute steps until told to stop.
+
+One loop, one error boundary: a message that does not decode, or a step the worker cannot apply,
+is answered with ``WorkerError`` and the loop goes on; only an unexpected exception is fatal (it is
+logged, reported to the scheduler with ``fatal=True``, and the process exits 1).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+import time
+
+import torch
+import zmq
+
+from protocol import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    Ping,
+    Pong,
+    ProtocolError,
+    SchedulerHello,
+    SchedulerOutput,
+    Shutdown,
+    TransportConfig,
+    WorkerError,
+    WorkerReady,
+    bind_router,
+)
+from protocol.transport import Channel
+from worker.config import WorkerConfig, parse_args
+from worker.drafters.base import Drafter, NoDrafter
+from worker.drafters.draft_model import DraftModelDrafter
+from worker.drafters.ngram import NgramDrafter
+from worker.model_executor import ModelExecutor
+from worker.model_loader import load_model
+from worker.runner import ModelRunner, StepError
+
+log = logging.getLogger("specd.worker")
+
+EXIT_OK, EXIT_FATAL, EXIT_CONFIG, EXIT_LOAD = 0, 1, 2, 3
+
+
+def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
+    device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+    t0 = time.monotonic()
+    log.info("loading target %s on %s", cfg.model, device)
+    target = load_model(cfg.model, device=device, dtype=dtype)
+    k = cfg.num_speculative_tokens
+    drafter: Drafter = NoDrafter()
+    if cfg.drafter == "ngram" and k:
+        drafter = NgramDrafter(min_n=cfg.ngram_min, max_n=cfg.ngram_max, max_num_tokens=k)
+    elif cfg.drafter == "draft_model" and k:
+        assert cfg.draft_model is not None
+        log.info("loading draft %s", cfg.draft_model)
+        draft = load_model(cfg.draft_model, device=device, dtype=dtype)
+        if (
+            draft.model.config.get_text_config().vocab_size
+            > target.model.config.get_text_config().vocab_size
+        ):
+            raise ValueError("the draft model's vocabulary is larger than the target's")
+        drafter = DraftModelDrafter(
+            ModelExecutor(
+                draft.model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len
+            ),
+            max_num_tokens=k,
+        )
+    executor = ModelExecutor(
+        target.model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len
+    )
+    runner = ModelRunner(
+        executor,
+        drafter,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len,
+        max_num_draft_tokens=k,
+    )
+    gen = getattr(target.model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) or target.model.config.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+    ready = WorkerReady(
+        protocol_major=PROTOCOL_MAJOR,
+        protocol_minor=PROTOCOL_MINOR,
+        model_name=target.name,
+        vocab_size=executor.vocab_size,
+        eos_token_ids=eos_ids,
+        max_model_len=cfg.max_model_len,
+        drafter=drafter.name,
+        max_num_speculative_tokens=k,
+        kv_capacity_tokens=executor.kv_cache.capacity_tokens,
+        max_num_seqs=cfg.max_num_seqs,
+        tokenizer_path=target.directory,
+    )
+    log.info("models ready in %.1f s (drafter %s, k=%d)", time.monotonic() - t0, drafter.name, k)
+    return runner, ready
+
+
+class WorkerLoop:
+    """Receives, dispatches and answers. ``peer`` is the identity of the scheduler that said hello."""
+
+    def __init__(self, chan: Channel, runner: ModelRunner, ready: WorkerReady) -> None:
+        self.chan = chan
+        self.runner = runner
+        self.ready = ready
+        self.peer: bytes | None = None
+        self.stopping = False
+        self.num_bad_messages = 0
+
+    def serve(self) -> int:
+        while not self.stopping:
+            frames = self.chan.recv_frames(timeout_ms=200)
+            if frames is None:
+                continue
+            identity = frames[0].bytes
+            try:
+                msg = self.chan.codec.decode([f.buffer for f in frames[1:]])
+            except ProtocolError as e:
+                self.num_bad_messages += 1
+                log.warning("bad message from %r: %s", identity, e)
+                self.reply(identity, WorkerError(code=e.code, message=str(e)))
+                continue
+            if isinstance(msg, Shutdown):
+                log.info("shutdown requested: %s", msg.reason or "(no reason)")
+                return EXIT_OK
+            self.dispatch(identity, msg)
+        return EXIT_OK
+
+    def dispatch(self, identity: bytes, msg: object) -> None:
+        if isinstance(msg, SchedulerHello):
+            if msg.protocol_major != PROTOCOL_MAJOR:
+                self.reply(
+                    identity,
+                    WorkerError(
+                        code="version",
+                        message=f"scheduler speaks protocol {msg.protocol_major}."
+                        f"{msg.protocol_minor}, worker speaks {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}",
+                    ),
+                )
+                return
+            if self.peer is not None and identity != self.peer:
+                log.info(
+                    "new scheduler %s: dropping the previous scheduler's requests", msg.scheduler_id
+                )
+                self.runner.reset()
+            self.peer = identity
+            self.reply(identity, self.ready)
+        elif isinstance(msg, Ping):
+            # Answered from the step loop itself, between steps: a pong proves the loop is alive.
+            self.reply(identity, Pong(seq=msg.seq, num_steps=self.runner.num_steps))
+        elif isinstance(msg, SchedulerOutput):
+            if identity != self.peer:
+                self.reply(
+                    identity,
+                    WorkerError(
+                        code="no_handshake",
+                        step_id=msg.step_id,
+                        message="send SchedulerHello before steps",
+                    ),
+                )
+                return
+            self.step(identity, msg)
+        else:
+            self.reply(
+                identity,
+                WorkerError(
+                    code="unexpected_message",
+                    message=f"the worker does not take {type(msg).__name__}",
+                ),
+            )
+
+    def step(self, identity: bytes, sched: SchedulerOutput) -> None:
+        try:
+            out, rejected = self.runner.execute(sched)
+        except StepError as e:
+            log.warning("step %d refused: %s", sched.step_id, e)
+            self.reply(
+                identity,
+                WorkerError(code=e.code, message=str(e), step_id=sched.step_id, req_id=e.req_id),
+            )
+            return
+        for err in rejected:
+            self.reply(
+                identity,
+                WorkerError(
+                    code=err.code, message=str(err), step_id=sched.step_id, req_id=err.req_id
+                ),
+            )
+        self.reply(identity, out)
+        drafts = self.runner.take_draft_tokens()
+        if drafts is not None:
+            self.reply(identity, drafts)
+
+    def reply(self, identity: bytes, msg: object) -> None:
+        try:
+            self.chan.send(msg, identity)  # type: ignore[arg-type]
+        except ProtocolError as e:
+            log.warning("could not answer %r: %s", identity, e)
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(argv)
+    except ValueError as e:
+        print(f"specd-worker: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    logging.basicConfig(
+        level=cfg.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    try:
+        chan = bind_router(ctx, cfg.listen, TransportConfig())
+    except zmq.ZMQError as e:
+        log.error("cannot bind %s: %s", cfg.listen, e)
+        return EXIT_CONFIG
+    try:
+        try:
+            runner, ready = build_runner(cfg)
+        except (OSError, ValueError) as e:
+            log.error("model load failed: %s", e)
+            return EXIT_LOAD
+        loop = WorkerLoop(chan, runner, ready)
+
+        def stop(signum: int, _frame: object) -> None:
+            log.info("signal %d: stopping", signum)
+            loop.stopping = True
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        log.info("serving on %s", cfg.listen)
+        try:
+            return loop.serve()
+        except Exception as e:
+            log.exception("fatal error in the step loop")
+            if loop.peer is not None:
+                loop.reply(loop.peer, WorkerError(code="fatal", message=repr(e), fatal=True))
+            return EXIT_FATAL
+    finally:
+        chan.close()
+        ctx.term()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
