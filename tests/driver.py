@@ -25,6 +25,7 @@ class Req:
     drafts: int = 0  # width the worker proposed for the next step
     accepted: int = 0
     verified: int = 0
+    spec_steps: int = 0  # steps that verified at least one draft
 
 
 def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str, list[int]]:
@@ -79,6 +80,7 @@ def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str,
             r.computed = len(r.prompt) + len(r.out) + int(out.num_accepted[i])
             r.accepted += int(out.num_accepted[i])
             r.verified += int(out.num_draft_tokens[i])
+            r.spec_steps += int(out.num_draft_tokens[i] > 0)
             r.out.extend(toks)
             r.drafts = 0
             if len(r.out) >= r.max_tokens:

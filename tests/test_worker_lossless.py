@@ -19,7 +19,11 @@ K = 4
 
 
 def make_runner(
-    target: torch.nn.Module, drafter_kind: str, arch: str, max_num_seqs: int = 8
+    target: torch.nn.Module,
+    drafter_kind: str,
+    arch: str,
+    max_num_seqs: int = 8,
+    batch_invariant: str = "off",
 ) -> ModelRunner:
     drafter: Drafter
     if drafter_kind == "none":
@@ -32,7 +36,9 @@ def make_runner(
             ModelExecutor(draft, max_num_seqs=max_num_seqs, max_model_len=MAX_LEN), max_num_tokens=K
         )
     return ModelRunner(
-        ModelExecutor(target, max_num_seqs=max_num_seqs, max_model_len=MAX_LEN),
+        ModelExecutor(
+            target, max_num_seqs=max_num_seqs, max_model_len=MAX_LEN, batch_invariant=batch_invariant
+        ),
         drafter,
         max_num_seqs=max_num_seqs,
         max_model_len=MAX_LEN,
@@ -111,3 +117,18 @@ def test_draft_model_equal_to_target_accepts_everything() -> None:
     r = Req("a", [9, 10, 11], 21, k=K)
     assert run(runner, [r])["a"] == greedy_reference(ref, [9, 10, 11], 21)
     assert r.verified > 0 and r.accepted == r.verified
+
+
+@pytest.mark.parametrize("mode", ["pad", "pad-fp32"])
+def test_batch_invariant_padding_stays_lossless(mode: str) -> None:
+    """The padded layout (GPU default) computes the same function: pads never leak into requests."""
+    target = tiny_model("llama", seed=77)
+    ref = reference_copy(target)
+    runner = make_runner(target, "ngram", "llama", max_num_seqs=4, batch_invariant=mode)
+    reqs = [
+        Req(f"r{i}", p, 14, k=3, arrive=i, chunk=4 if i == 1 else 0)
+        for i, p in enumerate(prompts(3, 77))
+    ]
+    got = run(runner, reqs)
+    for r in reqs:
+        assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id

@@ -31,7 +31,16 @@ class AttentionMetadata:
     slots: list[int]  # batch_idx -> cache slot
     cu_num_tokens: list[int]  # [num_reqs + 1] query offsets in the flat sequence
     start_positions: list[int]  # batch_idx -> position of its first new token
-    causal_masks: list[torch.Tensor | None]  # batch_idx -> [n, start + n] bool, None if n <= 1
+    causal_masks: list[torch.Tensor | None]  # batch_idx -> [n or query_pad, start + n] bool
+    query_pad: int = 0  # > 0: pad each request's queries to this many rows (batch invariance)
+    fp32: bool = False  # attention math in float32
+
+
+def _causal_mask(start: int, n: int, rows: int, device: torch.device) -> torch.Tensor:
+    """[rows, start + n]: row j < n sees keys 0 .. start + j; padding rows see key 0 only."""
+    q_pos = torch.arange(start, start + rows, device=device)
+    q_pos = torch.where(q_pos < start + n, q_pos, 0)
+    return torch.arange(start + n, device=device)[None, :] <= q_pos[:, None]
 
 
 def build_metadata(
@@ -40,7 +49,13 @@ def build_metadata(
     start_positions: list[int],
     num_tokens: list[int],
     device: torch.device,
+    *,
+    num_padding: int = 0,
+    query_pad: int = 0,
+    fp32: bool = False,
 ) -> AttentionMetadata:
+    """``num_padding`` trailing tokens of the flat batch are padding: their keys go to the scratch
+    slot and no request attends to them."""
     cu = [0]
     rows: list[int] = []
     masks: list[torch.Tensor | None] = []
@@ -50,13 +65,17 @@ def build_metadata(
         cu.append(cu[-1] + n)
         base = slot * kv_cache.max_model_len + start
         rows.extend(range(base, base + n))
-        if n > 1:
-            q_pos = torch.arange(start, start + n, device=device)
-            masks.append(torch.arange(start + n, device=device)[None, :] <= q_pos[:, None])
+        if query_pad and n <= query_pad:
+            masks.append(_causal_mask(start, n, query_pad, device))
+        elif n > 1:
+            masks.append(_causal_mask(start, n, n, device))
         else:
             masks.append(None)
+    scratch = kv_cache.scratch_slot * kv_cache.max_model_len
+    rows.extend(scratch + i % kv_cache.max_model_len for i in range(num_padding))
     slot_mapping = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    return AttentionMetadata(kv_cache, slot_mapping, slots, cu, start_positions, masks)
+    return AttentionMetadata(kv_cache, slot_mapping, slots, cu, start_positions, masks,
+                             query_pad, fp32)
 
 
 def specd_attention(
@@ -75,20 +94,22 @@ def specd_attention(
     layer = module.layer_idx  # type: ignore[attr-defined]
     cache = meta.kv_cache
     cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = query.new_empty(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]
+    out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]
     cu = meta.cu_num_tokens
     for i, slot in enumerate(meta.slots):
         a, b = cu[i], cu[i + 1]
         k, v = cache.view(layer, slot, meta.start_positions[i] + b - a)  # [L, kv_heads, D]
+        q = query[:, :, a:b]  # [1, heads, n, D]
+        mask = meta.causal_masks[i]
+        if mask is not None and mask.shape[0] > b - a:  # padded queries: one shape for any n
+            q = F.pad(q, (0, 0, 0, mask.shape[0] - (b - a)))
+        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, L, D]
+        if meta.fp32:
+            q, k, v = q.float(), k.float(), v.float()
         o = F.scaled_dot_product_attention(
-            query[:, :, a:b],
-            k.transpose(0, 1)[None],
-            v.transpose(0, 1)[None],
-            attn_mask=meta.causal_masks[i],
-            scale=scaling,
-            enable_gqa=True,
-        )  # [1, heads, n, D]
-        out[a:b] = o[0].transpose(0, 1)
+            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
+        )  # [1, heads, rows, D]
+        out[a:b] = o[0, :, : b - a].transpose(0, 1).to(out.dtype)
     return out[None], None
 
 

@@ -34,8 +34,8 @@ class WorkerConfig:
             raise ValueError("--drafter draft_model needs --draft-model PATH")
         if self.drafter != "draft_model" and self.draft_model:
             raise ValueError("--draft-model is only used with --drafter draft_model")
-        if not 0 <= self.num_speculative_tokens <= 16:
-            raise ValueError("--num-speculative-tokens must be between 0 and 16")
+        if not 0 <= self.num_speculative_tokens <= 15:
+            raise ValueError("--num-speculative-tokens must be between 0 and 15")
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ValueError("n-gram sizes need 1 <= --ngram-min <= --ngram-max")
         if self.max_num_seqs < 1 or self.max_model_len < 2:

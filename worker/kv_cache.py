@@ -27,7 +27,9 @@ class KVCache:
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        shape = (max_num_seqs * max_model_len, num_kv_heads, head_dim)
+        # One extra slot past the last request's: padding tokens write their keys there.
+        self.scratch_slot = max_num_seqs
+        shape = ((max_num_seqs + 1) * max_model_len, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 

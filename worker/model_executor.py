@@ -9,10 +9,29 @@ from worker.attention import build_metadata
 from worker.kv_cache import KVCache
 
 
+BATCH_INVARIANT_MODES = ("off", "pad", "pad-fp32")
+TOKEN_BUCKET = 64
+QUERY_PAD = 16
+
+
 class ModelExecutor:
     """Owns ``model``'s KV cache. ``forward`` is the only way tokens enter the cache."""
 
-    def __init__(self, model: PreTrainedModel, *, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        batch_invariant: str = "off",
+    ) -> None:
+        """``batch_invariant``: "off"; "pad" rounds every forward up to a multiple of
+        ``TOKEN_BUCKET`` tokens and pads each request's queries to ``QUERY_PAD`` rows, so a token's
+        arithmetic does not depend on how many tokens share its forward (drafts or not); "pad-fp32"
+        also runs attention in float32. Needed for bf16 on GPU; float32 on CPU is exact without."""
+        if batch_invariant not in BATCH_INVARIANT_MODES:
+            raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}")
+        self.batch_invariant = batch_invariant
         cfg = model.config.get_text_config()
         self.model = model
         self.device = next(model.parameters()).device
@@ -46,7 +65,18 @@ class ModelExecutor:
         input_ids, positions: [num_tokens_total]; logits_indices: [num_logits] rows to project.
         Returns (logits [num_logits, vocab] float32, hidden states [num_tokens_total, hidden]).
         """
-        meta = build_metadata(self.kv_cache, slots, start_positions, num_tokens, self.device)
+        pad = 0
+        if self.batch_invariant != "off":
+            total = len(input_ids)
+            pad = -total % TOKEN_BUCKET
+            if pad:
+                input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
+                positions = torch.cat([positions, positions.new_zeros(pad)])
+        meta = build_metadata(
+            self.kv_cache, slots, start_positions, num_tokens, self.device, num_padding=pad,
+            query_pad=QUERY_PAD if self.batch_invariant != "off" else 0,
+            fp32=self.batch_invariant == "pad-fp32",
+        )
         out = self.backbone(
             input_ids=input_ids[None],
             position_ids=positions[None],

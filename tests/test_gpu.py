@@ -1,0 +1,34 @@
+"""GPU checks (marked gpu; skipped without CUDA): the same losslessness in float32 on the device."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.driver import Req, run
+from tests.models import greedy_reference, reference_copy, tiny_model
+from worker.drafters.ngram import NgramDrafter
+from worker.model_executor import ModelExecutor
+from worker.runner import ModelRunner
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    dev = torch.device("cuda")
+    target = tiny_model(arch, seed=21).to(dev)
+    ref = reference_copy(target.cpu()).eval()
+    target = target.to(dev)
+    runner = ModelRunner(
+        ModelExecutor(target, max_num_seqs=4, max_model_len=128),
+        NgramDrafter(min_n=1, max_n=3, max_num_tokens=4),
+        max_num_seqs=4, max_model_len=128, max_num_draft_tokens=4,
+    )
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12], [3, 4, 3, 4, 3, 4, 3, 4, 3]]
+    reqs = [Req(f"r{i}", p, 20, k=4, arrive=i) for i, p in enumerate(prompts)]
+    got = run(runner, reqs)
+    for r in reqs:
+        assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens)
