@@ -21,26 +21,37 @@ from tokenizers import Tokenizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.prompts import PROMPTS, chat  # noqa: E402
-from tests.driver import Req, run  # noqa: E402
-from worker.drafters.base import Drafter, NoDrafter  # noqa: E402
-from worker.drafters.ngram import NgramDrafter  # noqa: E402
-from worker.model_executor import ModelExecutor  # noqa: E402
-from worker.model_loader import load_model  # noqa: E402
-from worker.runner import ModelRunner  # noqa: E402
+from bench.prompts import PROMPTS, chat
+from tests.driver import Req, run
+from worker.drafters.base import Drafter, NoDrafter
+from worker.drafters.ngram import NgramDrafter
+from worker.model_executor import ModelExecutor
+from worker.model_loader import load_model
+from worker.runner import ModelRunner
 
 
-def decode(model: torch.nn.Module, drafter: Drafter, prompts: list[list[int]], max_tokens: int,
-           k: int, batch: int, mode: str = "off") -> tuple[list[list[int]], float, float]:
+def decode(
+    model: torch.nn.Module,
+    drafter: Drafter,
+    prompts: list[list[int]],
+    max_tokens: int,
+    k: int,
+    batch: int,
+    mode: str = "off",
+) -> tuple[list[list[int]], float, float]:
     """Outputs, tokens/s, mean acceptance length (1 + accepted / steps-with-drafts)."""
     outs: list[list[int]] = []
     tokens = 0
     accepted = spec_steps = 0
     t0 = time.perf_counter()
     for i in range(0, len(prompts), batch):
-        runner = ModelRunner(ModelExecutor(model, max_num_seqs=batch, max_model_len=1024,
-                                           batch_invariant=mode), drafter,
-                             max_num_seqs=batch, max_model_len=1024, max_num_draft_tokens=max(k, 1))
+        runner = ModelRunner(
+            ModelExecutor(model, max_num_seqs=batch, max_model_len=1024, batch_invariant=mode),
+            drafter,
+            max_num_seqs=batch,
+            max_model_len=1024,
+            max_num_draft_tokens=max(k, 1),
+        )
         reqs = [Req(f"r{j}", p, max_tokens, k=k) for j, p in enumerate(prompts[i : i + batch])]
         got = run(runner, reqs, max_steps=10_000)
         for r in reqs:
@@ -86,15 +97,19 @@ def main() -> None:
     # warm-up
     decode(model, NoDrafter(), prompts[:1], 4, 0, 1)
     rows = []
-    results: dict[str, object] = {"device": str(device), "dtype": str(model.dtype),
-                                  "batch_invariant": args.batch_invariant}
+    results: dict[str, object] = {
+        "device": str(device),
+        "dtype": str(model.dtype),
+        "batch_invariant": args.batch_invariant,
+    }
     for batch in (1, len(prompts)):
         mode = args.batch_invariant
         base, base_tps, _ = decode(model, NoDrafter(), prompts, args.max_tokens, 0, batch, mode)
         rows.append(("none", batch, base_tps, 1.0, 1.0, 1.0, 1.0))
         for name, drafter in (("ngram", NgramDrafter(min_n=1, max_n=4, max_num_tokens=args.k)),):
-            outs, tps, mean_len = decode(model, drafter, prompts, args.max_tokens, args.k, batch,
-                                         mode)
+            outs, tps, mean_len = decode(
+                model, drafter, prompts, args.max_tokens, args.k, batch, mode
+            )
             pos, prefix = share(outs, base)
             rows.append((name, batch, tps, tps / base_tps, pos, prefix, mean_len))
     hf_tps = None
@@ -103,14 +118,23 @@ def main() -> None:
             raise RuntimeError("skipped (--skip-hf)")
         from transformers import AutoModelForCausalLM
 
-        hf = AutoModelForCausalLM.from_pretrained(loaded.directory, dtype=model.dtype).to(device).eval()
+        hf = (
+            AutoModelForCausalLM.from_pretrained(loaded.directory, dtype=model.dtype)
+            .to(device)
+            .eval()
+        )
         t0 = time.perf_counter()
         n = 0
         hf_outs = []
         for p in prompts:
             ids = torch.tensor([p], device=device)
-            o = hf.generate(ids, max_new_tokens=args.max_tokens, do_sample=False,
-                            eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+            o = hf.generate(
+                ids,
+                max_new_tokens=args.max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(p) :].tolist()
             hf_outs.append(o)
             n += len(o)
         if device.type == "cuda":
@@ -123,12 +147,18 @@ def main() -> None:
     results["hf_generate_tps"] = hf_tps
     results["rows"] = rows
     print(f"batch_invariant={args.batch_invariant} dtype={model.dtype}")
-    print("| drafter | batch | tok/s | × none | equal tokens | equal prefix | mean acceptance length |")
+    print(
+        "| drafter | batch | tok/s | × none | equal tokens | equal prefix | mean acceptance length |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.2f} | {r[4]:.4f} | {r[5]:.4f} | {r[6]:.2f} |")
-    print(f"HF generate (greedy, batch 1): {hf_tps and round(hf_tps, 1)} tok/s; "
-          f"HF vs specd-none equal share: {results.get('hf_vs_specd_none_share')}")
+        print(
+            f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.2f} | {r[4]:.4f} | {r[5]:.4f} | {r[6]:.2f} |"
+        )
+    print(
+        f"HF generate (greedy, batch 1): {hf_tps and round(hf_tps, 1)} tok/s; "
+        f"HF vs specd-none equal share: {results.get('hf_vs_specd_none_share')}"
+    )
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(results, f, indent=1, default=str)

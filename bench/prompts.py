@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-CODE = '''def load_config(path):
+CODE = """def load_config(path):
     with open(path) as f:
         data = json.load(f)
     if "name" not in data:
         raise KeyError("name")
     return data
-'''
+"""
 
 PROMPTS = {
-    "edit-rename": "Rename the function load_config to read_config and return the whole code:\n" + CODE,
+    "edit-rename": "Rename the function load_config to read_config and return the whole code:\n"
+    + CODE,
     "edit-typo": "Fix the typos and return the full text unchanged otherwise:\n"
     "The quick brown fox jumpd over the lazy dog. The dog was not amused, and the fox ran "
     "awya into the forest where it met a rabbit.",

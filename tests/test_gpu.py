@@ -25,7 +25,9 @@ def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str) -> None:
     runner = ModelRunner(
         ModelExecutor(target, max_num_seqs=4, max_model_len=128),
         NgramDrafter(min_n=1, max_n=3, max_num_tokens=4),
-        max_num_seqs=4, max_model_len=128, max_num_draft_tokens=4,
+        max_num_seqs=4,
+        max_model_len=128,
+        max_num_draft_tokens=4,
     )
     prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12], [3, 4, 3, 4, 3, 4, 3, 4, 3]]
     reqs = [Req(f"r{i}", p, 20, k=4, arrive=i) for i, p in enumerate(prompts)]

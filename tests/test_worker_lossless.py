@@ -37,7 +37,10 @@ def make_runner(
         )
     return ModelRunner(
         ModelExecutor(
-            target, max_num_seqs=max_num_seqs, max_model_len=MAX_LEN, batch_invariant=batch_invariant
+            target,
+            max_num_seqs=max_num_seqs,
+            max_model_len=MAX_LEN,
+            batch_invariant=batch_invariant,
         ),
         drafter,
         max_num_seqs=max_num_seqs,

@@ -74,8 +74,9 @@ def build_metadata(
     scratch = kv_cache.scratch_slot * kv_cache.max_model_len
     rows.extend(scratch + i % kv_cache.max_model_len for i in range(num_padding))
     slot_mapping = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    return AttentionMetadata(kv_cache, slot_mapping, slots, cu, start_positions, masks,
-                             query_pad, fp32)
+    return AttentionMetadata(
+        kv_cache, slot_mapping, slots, cu, start_positions, masks, query_pad, fp32
+    )
 
 
 def specd_attention(

@@ -23,6 +23,7 @@ class WorkerConfig:
     dtype: str | None = None  # None: bf16 on CUDA, float32 on CPU
     max_num_seqs: int = 16
     max_model_len: int = 2048
+    batch_invariant: str | None = None  # None: "pad" on CUDA, "off" on CPU
     log_level: str = "INFO"
 
     def __post_init__(self) -> None:
@@ -42,6 +43,8 @@ class WorkerConfig:
             raise ValueError("--max-num-seqs must be >= 1 and --max-model-len >= 2")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be float32, bfloat16 or float16")
+        if self.batch_invariant not in (None, "off", "pad", "pad-fp32"):
+            raise ValueError("--batch-invariant must be off, pad or pad-fp32")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError("--device must be cpu or cuda[:N]")
         from protocol.transport import validate_address
@@ -87,6 +90,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         type=int,
         default=d.max_model_len,
         help="the longest sequence (prompt + output) in tokens",
+    )
+    ap.add_argument(
+        "--batch-invariant",
+        default=None,
+        choices=("off", "pad", "pad-fp32"),
+        help="pad every forward to fixed shapes so drafts never change a token's "
+        "arithmetic (default: pad on CUDA, off on CPU where float32 is exact anyway)",
     )
     ap.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING or ERROR")
     a = ap.parse_args(argv)

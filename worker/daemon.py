@@ -46,6 +46,7 @@ EXIT_OK, EXIT_FATAL, EXIT_CONFIG, EXIT_LOAD = 0, 1, 2, 3
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
+    invariant = cfg.batch_invariant or ("pad" if device.type == "cuda" else "off")
     t0 = time.monotonic()
     log.info("loading target %s on %s", cfg.model, device)
     target = load_model(cfg.model, device=device, dtype=dtype)
@@ -64,12 +65,18 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             raise ValueError("the draft model's vocabulary is larger than the target's")
         drafter = DraftModelDrafter(
             ModelExecutor(
-                draft.model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len
+                draft.model,
+                max_num_seqs=cfg.max_num_seqs,
+                max_model_len=cfg.max_model_len,
+                batch_invariant=invariant,
             ),
             max_num_tokens=k,
         )
     executor = ModelExecutor(
-        target.model, max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len
+        target.model,
+        max_num_seqs=cfg.max_num_seqs,
+        max_model_len=cfg.max_model_len,
+        batch_invariant=invariant,
     )
     runner = ModelRunner(
         executor,
@@ -94,7 +101,13 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_num_seqs=cfg.max_num_seqs,
         tokenizer_path=target.directory,
     )
-    log.info("models ready in %.1f s (drafter %s, k=%d)", time.monotonic() - t0, drafter.name, k)
+    log.info(
+        "models ready in %.1f s (drafter %s, k=%d, batch_invariant %s)",
+        time.monotonic() - t0,
+        drafter.name,
+        k,
+        invariant,
+    )
     return runner, ready
 
 

@@ -8,7 +8,6 @@ from transformers import PreTrainedModel
 from worker.attention import build_metadata
 from worker.kv_cache import KVCache
 
-
 BATCH_INVARIANT_MODES = ("off", "pad", "pad-fp32")
 TOKEN_BUCKET = 64
 QUERY_PAD = 16
@@ -73,7 +72,12 @@ class ModelExecutor:
                 input_ids = torch.cat([input_ids, input_ids.new_zeros(pad)])
                 positions = torch.cat([positions, positions.new_zeros(pad)])
         meta = build_metadata(
-            self.kv_cache, slots, start_positions, num_tokens, self.device, num_padding=pad,
+            self.kv_cache,
+            slots,
+            start_positions,
+            num_tokens,
+            self.device,
+            num_padding=pad,
             query_pad=QUERY_PAD if self.batch_invariant != "off" else 0,
             fp32=self.batch_invariant == "pad-fp32",
         )

@@ -83,6 +83,7 @@ class ModelRunner:
         self._last_row_of: dict[int, int] = {}
 
     # -- the step -------------------------------------------------------------------------------
+    @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
         """Run one step. Requests the worker refuses come back as errors; the rest run."""
         self.draft_tokens.begin_step(sched.step_id)

@@ -1,0 +1,285 @@
+"""The harness API: one scheduler driving one worker.
+
+    from scheduler_client import Engine, EngineConfig
+    with Engine(EngineConfig(model="embedded:smollm2", drafter="ngram")) as engine:
+        done = engine.generate([{"prompt": "Hello", "max_tokens": 16}])
+        for delta in engine.stream(messages=[{"role": "user", "content": "Hi"}]):
+            print(delta, end="")
+
+The engine starts ``specd-worker`` as a separate process (or connects to ``worker_addr``), shakes
+hands, and runs the step loop in the calling thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from protocol.messages import SamplingParams
+from scheduler_client.grammar import SpecKind, StructuredSpec, make_backend
+from scheduler_client.metrics import RequestMetrics
+from scheduler_client.request import Request
+from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
+from scheduler_client.tokenizer import TokenizerInfo
+from scheduler_client.worker_client import StepRefused, WorkerClient, WorkerDied
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """``worker_addr`` set: connect to a running worker; otherwise launch one with the worker_*
+    fields. ``tokenizer`` overrides the tokenizer directory the worker reports."""
+
+    worker_addr: str | None = None
+    model: str = "embedded:smollm2"
+    drafter: str = "ngram"
+    draft_model: str | None = None
+    num_speculative_tokens: int = 4
+    device: str | None = None
+    max_model_len: int = 2048
+    worker_max_num_seqs: int = 16
+    worker_args: tuple[str, ...] = ()
+    tokenizer: str | None = None
+    grammar_backend: str = "llguidance"
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    step_timeout_s: float = 300.0
+    handshake_timeout_s: float = 600.0
+    worker_log: str | None = None  # file for the launched worker's stderr; None: inherit
+
+
+class Engine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        addr = config.worker_addr or self._launch()
+        self.client = WorkerClient(addr, proc=self.proc, step_timeout_s=config.step_timeout_s)
+        try:
+            ready = self.client.handshake(timeout_s=config.handshake_timeout_s)
+            tok_dir = config.tokenizer or ready.tokenizer_path
+            self.tokenizer = TokenizerInfo(tok_dir) if tok_dir else None
+            grammar = None
+            if self.tokenizer is not None:
+                grammar = make_backend(
+                    config.grammar_backend,
+                    self.tokenizer.json_text,
+                    ready.vocab_size,
+                    ready.eos_token_ids,
+                )
+            limits = WorkerLimits(
+                vocab_size=ready.vocab_size,
+                eos_token_ids=ready.eos_token_ids,
+                max_model_len=ready.max_model_len,
+                max_num_speculative_tokens=ready.max_num_speculative_tokens,
+                max_num_seqs=ready.max_num_seqs,
+            )
+            self.scheduler = Scheduler(config.scheduler, limits, self.tokenizer, grammar)
+        except BaseException:
+            self.close()
+            raise
+        self.ready = ready
+        self._ids = itertools.count()
+        self.started_s = time.monotonic()
+
+    def _launch(self) -> str:
+        c = self.config
+        self._tmp = tempfile.TemporaryDirectory(prefix="specd-")
+        addr = f"ipc://{os.path.join(self._tmp.name, 'worker.sock')}"
+        cmd = [
+            sys.executable,
+            "-m",
+            "worker.daemon",
+            "--model",
+            c.model,
+            "--drafter",
+            c.drafter,
+            "--num-speculative-tokens",
+            str(c.num_speculative_tokens),
+            "--listen",
+            addr,
+            "--max-model-len",
+            str(c.max_model_len),
+            "--max-num-seqs",
+            str(c.worker_max_num_seqs),
+            *c.worker_args,
+        ]
+        if c.draft_model:
+            cmd += ["--draft-model", c.draft_model]
+        if c.device:
+            cmd += ["--device", c.device]
+        stderr = open(c.worker_log, "ab") if c.worker_log else None  # noqa: SIM115
+        self.proc = subprocess.Popen(cmd, stderr=stderr)
+        return addr
+
+    # -- requests -------------------------------------------------------------------------------
+    def add_request(
+        self,
+        prompt: str | list[int] | None = None,
+        *,
+        messages: list[dict[str, str]] | None = None,
+        max_tokens: int = 64,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = None,
+        stop: list[str] | None = None,
+        stop_token_ids: list[int] | None = None,
+        ignore_eos: bool = False,
+        structured: StructuredSpec | dict[str, Any] | None = None,
+        num_speculative_tokens: int | None = None,
+        req_id: str | None = None,
+    ) -> Request:
+        """Queue one request. ``structured``: a ``StructuredSpec`` or ``{"json": schema}``,
+        ``{"regex": ...}``, ``{"grammar": lark}``, ``{"choice": [...]}``."""
+        ids = self._prompt_ids(prompt, messages)
+        spec = _spec(structured)
+        k = (
+            self.ready.max_num_speculative_tokens
+            if num_speculative_tokens is None
+            else num_speculative_tokens
+        )
+        req = Request(
+            req_id=req_id or f"req-{next(self._ids)}",
+            prompt_ids=ids,
+            sampling=SamplingParams(
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                seed=seed,
+                max_tokens=max_tokens,
+                stop_token_ids=tuple(stop_token_ids or ()),
+            ),
+            num_speculative_tokens=k,
+            stop=tuple(stop or ()),
+            ignore_eos=ignore_eos,
+            structured=spec,
+        )
+        return self.scheduler.add(req)
+
+    def _prompt_ids(
+        self, prompt: str | list[int] | None, messages: list[dict[str, str]] | None
+    ) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt and messages")
+        if isinstance(prompt, list):
+            return [int(t) for t in prompt]
+        if self.tokenizer is None:
+            raise ValueError("this worker reported no tokenizer: send token ids")
+        text = prompt if prompt is not None else self.tokenizer.apply_chat_template(messages or [])
+        return self.tokenizer.encode(text)
+
+    def abort(self, req_id: str) -> None:
+        self.scheduler.abort(req_id)
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def step(self) -> list[Request]:
+        """One step; returns the requests that finished in it."""
+        sched = self.scheduler.schedule()
+        if sched is None:
+            return []
+        try:
+            result = self.client.step(sched)
+        except WorkerDied as e:
+            self._fail_all(f"worker died: {e}")
+            raise
+        except StepRefused as e:
+            # A refused step is a disagreement between us and the worker: it is our bug or theirs,
+            # and the safe answer is to end the requests it names (or all of this step's).
+            names = [e.err.req_id] if e.err.req_id else list(sched.req_ids)
+            for req_id in names:
+                self.scheduler.fail(req_id, str(e))
+            self.scheduler.step_id = sched.step_id + 1
+            self.scheduler.last_done_step = sched.step_id
+            return [self.scheduler.requests[r] for r in names if r in self.scheduler.requests]
+        failed = []
+        for err in result.request_errors:
+            if err.req_id is not None:
+                self.scheduler.fail(err.req_id, f"worker refused the request: {err.message}")
+                failed.append(self.scheduler.requests[err.req_id])
+        done = self.scheduler.update(result.output)
+        if result.drafts is not None:
+            self.scheduler.take_drafts(result.drafts)
+        return failed + done
+
+    def _fail_all(self, message: str) -> None:
+        for req in list(self.scheduler.requests.values()):
+            if not req.finished:
+                self.scheduler.fail(req.req_id, message)
+
+    def run_until_done(self) -> None:
+        while self.scheduler.has_work():
+            self.step()
+
+    def generate(self, requests: list[dict[str, Any]]) -> list[Request]:
+        """Run ``requests`` (keyword arguments of ``add_request``) to completion, batched."""
+        reqs = [self.add_request(**r) for r in requests]
+        self.run_until_done()
+        return reqs
+
+    def stream(self, prompt: str | list[int] | None = None, **kwargs: Any) -> Iterator[str]:
+        """Text deltas of one request as they are committed (other queued requests run too)."""
+        deltas: list[str] = []
+        req = self.add_request(prompt, **kwargs)
+        req.on_delta = lambda _r, d: deltas.append(d)
+        while not req.finished:
+            self.step()
+            yield from deltas
+            deltas.clear()
+        if req.error:
+            raise RuntimeError(req.error)
+
+    def metrics(self) -> dict[str, object]:
+        total = RequestMetrics()
+        total.merge(self.scheduler.metrics)
+        return total.summary(time.monotonic() - self.started_s)
+
+    # -- lifetime ---------------------------------------------------------------------------------
+    def close(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            if self.proc is not None and self.proc.poll() is None:
+                client.shutdown()
+            client.close()
+        if self.proc is not None:
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+
+def _spec(structured: StructuredSpec | dict[str, Any] | None) -> StructuredSpec | None:
+    if structured is None or isinstance(structured, StructuredSpec):
+        return structured
+    if len(structured) != 1:
+        raise ValueError(
+            'structured must have exactly one key: "json", "regex", "grammar" or "choice"'
+        )
+    ((kind, value),) = structured.items()
+    kinds: dict[str, SpecKind] = {
+        "json": "json",
+        "regex": "regex",
+        "grammar": "grammar",
+        "choice": "choice",
+    }
+    if kind in kinds:
+        return StructuredSpec(kinds[kind], value)
+    raise ValueError(f"unknown structured-output kind {kind!r}")

@@ -1,0 +1,65 @@
+"""A request as the scheduler sees it: the source of truth for its committed tokens."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from protocol.messages import SamplingParams
+from scheduler_client.grammar import Matcher, StructuredSpec
+from scheduler_client.metrics import RequestMetrics
+from scheduler_client.tokenizer import IncrementalDetokenizer
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Mutable; owned by the scheduler. ``num_computed`` mirrors the worker's KV length."""
+
+    req_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    num_speculative_tokens: int
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    structured: StructuredSpec | None = None
+    matcher: Matcher | None = None
+    detok: IncrementalDetokenizer | None = None
+    on_delta: Callable[[Request, str], None] | None = None
+    output_ids: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop", "length", "abort", "error"
+    error: str | None = None
+    num_computed: int = 0
+    sent_to_worker: bool = False
+    # drafts for the next step: ids (-1 where the worker keeps them) after grammar validation
+    draft_ids: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # structured requests: the real ids of those drafts (validated), for the bitmask rows
+    grammar_drafts: np.ndarray | None = None
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def text(self) -> str:
+        return self.detok.text if self.detok is not None else ""
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = Status.FINISHED
+        self.finish_reason = reason
+        self.error = error
+        self.draft_ids = np.zeros(0, np.int32)

@@ -1,0 +1,349 @@
+"""Continuous batching with grammar-validated drafts and per-position bitmasks.
+
+The scheduler owns requests: it picks each step's batch under a token budget and a request limit
+(chunked prefill), validates every request's drafts against its grammar when they arrive, builds
+``1 + width`` bitmask rows for each structured request that samples, commits what the worker
+sampled (grammar, stop conditions, detokenization) and keeps the committed tokens: they are the
+truth a restarted worker is replayed from.
+
+One step, in order: ``schedule()`` -> worker -> ``update(ModelRunnerOutput)`` ->
+``take_drafts(DraftTokenIds)`` -> ``schedule()`` ...
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+from protocol.messages import DraftTokenIds, ModelRunnerOutput, NewRequest, SchedulerOutput
+from scheduler_client.grammar import GrammarError, LLGuidanceBackend
+from scheduler_client.metrics import RequestMetrics
+from scheduler_client.request import Request, Status
+from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
+    max_prefill_chunk: int = 512
+    forced_drafts: bool = True  # offer grammar-forced tokens as drafts
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 1:
+            raise ValueError("max_num_batched_tokens and max_prefill_chunk must be >= 1")
+
+
+@dataclass(frozen=True)
+class WorkerLimits:
+    """What the worker's handshake told us."""
+
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    max_num_speculative_tokens: int
+    max_num_seqs: int
+
+
+class Scheduler:
+    """Not thread-safe: one thread calls add/abort/schedule/update/take_drafts."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        limits: WorkerLimits,
+        tokenizer: TokenizerInfo | None,
+        grammar: LLGuidanceBackend | None,
+    ) -> None:
+        self.config = config
+        self.limits = limits
+        self.tokenizer = tokenizer
+        self.grammar = grammar
+        self.max_num_seqs = min(config.max_num_seqs, limits.max_num_seqs)
+        self.requests: dict[str, Request] = {}
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.to_free: list[str] = []  # finished on our side, still holding worker state
+        self.to_abort: list[str] = []
+        self.step_id = 0
+        self.last_done_step = -1
+        self.inflight: dict[str, tuple[int, int]] = {}  # req_id -> (scheduled, drafts) this step
+        self.metrics = RequestMetrics()
+        self.words = (limits.vocab_size + 31) // 32
+
+    # -- requests -------------------------------------------------------------------------------
+    def add(self, req: Request) -> Request:
+        """Queue ``req``. A request that cannot run finishes at once with a clear error."""
+        if req.req_id in self.requests:
+            raise ValueError(f"request id {req.req_id!r} is already in use")
+        self.requests[req.req_id] = req
+        limit = self.limits.max_model_len
+        if not req.prompt_ids:
+            req.finish("error", "the prompt is empty")
+        elif len(req.prompt_ids) >= limit:
+            req.finish(
+                "error",
+                f"prompt of {len(req.prompt_ids)} tokens is too long: the model "
+                f"takes at most {limit - 1} prompt tokens (max_model_len {limit})",
+            )
+        elif not 0 <= req.num_speculative_tokens <= self.limits.max_num_speculative_tokens:
+            req.finish(
+                "error",
+                f"num_speculative_tokens {req.num_speculative_tokens} is outside "
+                f"0..{self.limits.max_num_speculative_tokens} (the worker's maximum)",
+            )
+        elif req.sampling.max_tokens < 1:
+            req.finish("error", "max_tokens must be >= 1")
+        elif req.structured is not None:
+            if self.grammar is None:
+                req.finish("error", "structured outputs need a tokenizer and a grammar backend")
+            else:
+                try:
+                    req.matcher = self.grammar.matcher(req.structured)
+                except GrammarError as e:
+                    req.finish("error", str(e))
+        if self.tokenizer is not None and req.detok is None:
+            req.detok = IncrementalDetokenizer(self.tokenizer)
+        if not req.finished:
+            self.waiting.append(req)
+        return req
+
+    def abort(self, req_id: str) -> None:
+        req = self.requests.get(req_id)
+        if req is None or req.finished:
+            return
+        self._finish(req, "abort", None)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running or self.to_free or self.to_abort)
+
+    def fail(self, req_id: str, message: str) -> None:
+        """The worker refused this request; it ends with ``message``, the others go on."""
+        req = self.requests.get(req_id)
+        if req is not None and not req.finished:
+            self._finish(req, "error", message)
+
+    def _finish(self, req: Request, reason: str, error: str | None) -> None:
+        req.finish(reason, error)
+        req.metrics.end_s = req.metrics.end_s or _now()
+        if req in self.running:
+            self.running.remove(req)
+            if req.sent_to_worker:
+                (self.to_abort if reason in ("abort", "error") else self.to_free).append(req.req_id)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.metrics.merge(req.metrics)
+
+    # -- one step -------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput | None:
+        """The next step, or None when there is nothing to send."""
+        budget = self.config.max_num_batched_tokens
+        new: list[NewRequest] = []
+        ids: list[str] = []
+        counts: list[int] = []
+        widths: list[int] = []
+        drafts: list[np.ndarray] = []
+        rows: list[tuple[Request, int]] = []  # structured requests that sample, with their width
+        self.inflight = {}
+
+        def place(req: Request) -> bool:
+            nonlocal budget
+            uncomputed = req.num_tokens - req.num_computed
+            m = min(uncomputed, budget, self.config.max_prefill_chunk)
+            if m <= 0:
+                return False
+            samples = m == uncomputed
+            w = min(len(req.draft_ids), budget - m) if samples else 0
+            req.draft_ids = req.draft_ids[:w]
+            budget -= m + w
+            ids.append(req.req_id)
+            counts.append(m + w)
+            widths.append(w)
+            drafts.append(req.draft_ids)
+            self.inflight[req.req_id] = (m + w, w)
+            if samples and req.matcher is not None:
+                rows.append((req, w))
+            return True
+
+        for req in self.running:
+            if budget <= 0:
+                break
+            place(req)
+        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            req = self.waiting[0]
+            if not place(req):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            req.sent_to_worker = True
+            self.running.append(req)
+            new.append(
+                NewRequest(
+                    req_id=req.req_id,
+                    prompt_token_ids=np.asarray(req.prompt_ids + req.output_ids, np.int32),
+                    sampling=req.sampling,
+                    num_speculative_tokens=req.num_speculative_tokens,
+                    structured=req.matcher is not None,
+                )
+            )
+        if not ids and not self.to_free and not self.to_abort:
+            return None
+        structured_ids, cu, bitmask = self._bitmask(rows)
+        out = SchedulerOutput(
+            step_id=self.step_id,
+            new_requests=new,
+            req_ids=ids,
+            num_scheduled_tokens=np.asarray(counts, np.int32),
+            num_draft_tokens=np.asarray(widths, np.int32),
+            draft_token_ids=np.concatenate(drafts).astype(np.int32)
+            if drafts
+            else np.zeros(0, np.int32),
+            finished_req_ids=self.to_free,
+            aborted_req_ids=self.to_abort,
+            structured_req_ids=structured_ids,
+            cu_bitmask_rows=cu,
+            grammar_bitmask=bitmask,
+        )
+        self.to_free, self.to_abort = [], []
+        self.step_id += 1
+        return out
+
+    def _bitmask(
+        self, rows: list[tuple[Request, int]]
+    ) -> tuple[list[str], np.ndarray | None, np.ndarray | None]:
+        """Row i of a request is its grammar state after drafts 0..i-1; the last is the bonus row."""
+        if not rows:
+            return [], None, None
+        total = sum(w + 1 for _, w in rows)
+        bitmask = np.empty((total, self.words), np.int32)
+        cu = np.zeros(len(rows) + 1, np.int32)
+        for i, (req, w) in enumerate(rows):
+            assert req.matcher is not None
+            req.matcher.fill_rows(bitmask, int(cu[i]), self._real_drafts(req)[:w].tolist())
+            cu[i + 1] = cu[i] + w + 1
+        return [r.req_id for r, _ in rows], cu, bitmask
+
+    def _real_drafts(self, req: Request) -> np.ndarray:
+        return req.grammar_drafts if req.grammar_drafts is not None else req.draft_ids
+
+    def update(self, out: ModelRunnerOutput) -> list[Request]:
+        """Commit the step's sampled tokens; returns the requests that finished."""
+        if out.step_id != self.step_id - 1:
+            raise ValueError(f"output for step {out.step_id}, expected step {self.step_id - 1}")
+        self.last_done_step = out.step_id
+        done: list[Request] = []
+        off = 0
+        for i, req_id in enumerate(out.req_ids):
+            n = int(out.num_sampled[i])
+            tokens = out.sampled_token_ids[off : off + n].tolist()
+            off += n
+            req = self.requests.get(req_id)
+            sched = self.inflight.get(req_id)
+            if req is None or sched is None or req.finished:
+                continue
+            scheduled, w = sched
+            accepted = int(out.num_accepted[i])
+            req.num_computed += scheduled - w + (accepted if n else 0)
+            req.draft_ids = np.zeros(0, np.int32)
+            req.grammar_drafts = None
+            if not n:
+                continue
+            req.metrics.record_step(int(out.num_draft_tokens[i]), accepted, n)
+            self._commit(req, tokens)
+            if req.finished:
+                done.append(req)
+        return done
+
+    def _commit(self, req: Request, tokens: list[int]) -> None:
+        eos = self.limits.eos_token_ids
+        sp = req.sampling
+        new: list[int] = []
+        for t in tokens:
+            if req.matcher is not None and not req.matcher.accept(t):
+                self._emit(req, new)
+                self._finish(
+                    req,
+                    "error",
+                    f"the grammar rejected sampled token {t}"
+                    f"{self._show(t)}; the output so far is kept",
+                )
+                return
+            if (t in eos and not req.ignore_eos) or t in sp.stop_token_ids:
+                self._emit(req, new)
+                self._finish(req, "stop", None)
+                return
+            req.output_ids.append(t)
+            new.append(t)
+            if len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.limits.max_model_len:
+                self._emit(req, new)
+                self._finish(req, "length", None)
+                return
+        self._emit(req, new)
+        if req.stop and req.detok is not None:
+            text = req.detok.text
+            hits = [text.find(s) for s in req.stop if s in text]
+            if hits:
+                req.detok.text = text[: min(hits)]
+                self._finish(req, "stop", None)
+
+    def _emit(self, req: Request, new: list[int]) -> None:
+        if req.detok is not None and new:
+            delta = req.detok.add(new)
+            if delta and req.on_delta is not None:
+                req.on_delta(req, delta)
+
+    def _show(self, t: int) -> str:
+        return f" ({self.tokenizer.decode([t])!r})" if self.tokenizer is not None else ""
+
+    def take_drafts(self, msg: DraftTokenIds) -> None:
+        """Drafts proposed after ``msg.step_id``. Anything that does not match the step and
+        lengths we expect is discarded: the request simply runs without drafts (fail closed)."""
+        stale_step = msg.step_id != self.last_done_step
+        off = 0
+        for i, req_id in enumerate(msg.req_ids):
+            w = int(msg.num_draft_tokens[i])
+            ids = msg.draft_token_ids[off : off + w]
+            off += w
+            req = self.requests.get(req_id)
+            if req is None or req.finished:
+                continue
+            if stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:
+                req.metrics.num_stale += 1
+                req.draft_ids = np.zeros(0, np.int32)
+                continue
+            cap = min(
+                req.num_speculative_tokens,
+                req.sampling.max_tokens - len(req.output_ids) - 1,
+                self.limits.max_model_len - req.num_tokens,
+            )
+            cap = max(cap, 0)
+            ids = ids[:cap]
+            if req.matcher is None:
+                req.draft_ids = np.full(len(ids), -1, np.int32)
+                continue
+            if (ids < 0).any():
+                req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
+                req.draft_ids = np.zeros(0, np.int32)
+                continue
+            valid = req.matcher.validate(ids.tolist())
+            req.metrics.num_grammar_invalid += len(ids) - valid
+            real = ids[:valid].astype(np.int32)
+            forced: list[int] = []
+            if self.config.forced_drafts and valid < cap:
+                forced = req.matcher.forced_tokens(real.tolist(), cap - valid)
+                req.metrics.num_forced += len(forced)
+            req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
+            # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
+            req.draft_ids = np.concatenate(
+                [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
+            )
+
+
+def _now() -> float:
+    import time
+
+    return time.monotonic()

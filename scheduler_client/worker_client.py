@@ -1,0 +1,171 @@
+"""The scheduler's end of the ZeroMQ connection to one worker."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import uuid
+from dataclasses import dataclass, field
+
+import zmq
+
+from protocol import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    DraftTokenIds,
+    Message,
+    ModelRunnerOutput,
+    Ping,
+    Pong,
+    ProtocolError,
+    SchedulerHello,
+    SchedulerOutput,
+    Shutdown,
+    TransportConfig,
+    WorkerError,
+    WorkerReady,
+    connect_dealer,
+)
+
+
+class WorkerDied(RuntimeError):
+    """The worker process exited or stopped answering; every in-flight request is affected."""
+
+
+class HandshakeError(RuntimeError):
+    """The worker refused us (protocol version) or answered something else."""
+
+
+@dataclass
+class StepResult:
+    output: ModelRunnerOutput
+    drafts: DraftTokenIds | None
+    request_errors: list[WorkerError] = field(default_factory=list)
+
+
+class StepRefused(RuntimeError):
+    def __init__(self, err: WorkerError) -> None:
+        super().__init__(f"worker refused step {err.step_id}: {err.code}: {err.message}")
+        self.err = err
+
+
+class WorkerClient:
+    """Connects, shakes hands, runs steps. ``proc`` (when we launched the worker) lets us notice
+    its death from the process itself, within one poll interval, not from a timeout alone."""
+
+    POLL_MS = 50
+
+    def __init__(
+        self,
+        addr: str,
+        *,
+        proc: subprocess.Popen[bytes] | None = None,
+        step_timeout_s: float = 120.0,
+        transport: TransportConfig | None = None,
+    ) -> None:
+        self.addr = addr
+        self.proc = proc
+        self.step_timeout_s = step_timeout_s
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.chan = connect_dealer(self.ctx, addr, transport or TransportConfig())
+        self.ready: WorkerReady | None = None
+        self.scheduler_id = uuid.uuid4().hex[:8]
+        self._ping_seq = 0
+
+    def close(self) -> None:
+        self.chan.close()
+        self.ctx.term()
+
+    def _check_alive(self) -> None:
+        if self.proc is not None and self.proc.poll() is not None:
+            raise WorkerDied(
+                f"worker process {self.proc.pid} exited with code {self.proc.returncode}"
+            )
+
+    def _recv(self, deadline: float, what: str) -> Message:
+        while True:
+            self._check_alive()
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WorkerDied(f"no {what} from the worker at {self.addr} within the timeout")
+            try:
+                got = self.chan.recv(timeout_ms=min(self.POLL_MS, max(1, int(left * 1000))))
+            except ProtocolError as e:
+                raise WorkerDied(f"the worker sent a message that does not decode: {e}") from None
+            if got is not None:
+                return got[1]
+
+    def _send(self, msg: Message) -> None:
+        self._check_alive()
+        try:
+            self.chan.send(msg)
+        except ProtocolError as e:
+            raise WorkerDied(f"cannot send to the worker at {self.addr}: {e}") from None
+
+    def handshake(self, timeout_s: float = 600.0) -> WorkerReady:
+        self._send(
+            SchedulerHello(
+                protocol_major=PROTOCOL_MAJOR,
+                protocol_minor=PROTOCOL_MINOR,
+                scheduler_id=self.scheduler_id,
+            )
+        )
+        msg = self._recv(time.monotonic() + timeout_s, "handshake")
+        if isinstance(msg, WorkerError):
+            raise HandshakeError(f"the worker refused the handshake: {msg.code}: {msg.message}")
+        if not isinstance(msg, WorkerReady):
+            raise HandshakeError(f"expected WorkerReady, got {type(msg).__name__}")
+        if msg.protocol_major != PROTOCOL_MAJOR:
+            raise HandshakeError(
+                f"worker speaks protocol {msg.protocol_major}.{msg.protocol_minor}, "
+                f"this scheduler {PROTOCOL_MAJOR}.{PROTOCOL_MINOR}"
+            )
+        self.ready = msg
+        return msg
+
+    def step(self, sched: SchedulerOutput) -> StepResult:
+        """Send one step; return its output and the drafts proposed after it."""
+        self._send(sched)
+        deadline = time.monotonic() + self.step_timeout_s
+        errors: list[WorkerError] = []
+        while True:
+            msg = self._recv(deadline, f"output for step {sched.step_id}")
+            if isinstance(msg, ModelRunnerOutput) and msg.step_id == sched.step_id:
+                break
+            if isinstance(msg, WorkerError):
+                if msg.fatal:
+                    raise WorkerDied(f"worker failed: {msg.code}: {msg.message}")
+                if (
+                    msg.req_id is not None
+                    and msg.step_id == sched.step_id
+                    and msg.code
+                    not in ("bad_step", "width_mismatch", "unknown_request", "too_long")
+                ):
+                    errors.append(msg)
+                    continue
+                if msg.step_id == sched.step_id:
+                    raise StepRefused(msg)
+            # anything else (a late pong, an old step's drafts) is stale: drop it
+        drafts = None
+        if int(msg.num_sampled.sum()) > 0:
+            while True:
+                d = self._recv(deadline, f"drafts for step {sched.step_id}")
+                if isinstance(d, DraftTokenIds):
+                    drafts = d
+                    break
+        return StepResult(msg, drafts, errors)
+
+    def ping(self, timeout_s: float = 5.0) -> Pong:
+        self._ping_seq += 1
+        self._send(Ping(seq=self._ping_seq))
+        deadline = time.monotonic() + timeout_s
+        while True:
+            msg = self._recv(deadline, "pong")
+            if isinstance(msg, Pong) and msg.seq == self._ping_seq:
+                return msg
+
+    def shutdown(self) -> None:
+        try:
+            self.chan.send(Shutdown(reason="scheduler done"))
+        except ProtocolError:
+            pass
