@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import subprocess
 import time
 import uuid
@@ -26,6 +27,8 @@ from protocol import (
     WorkerReady,
     connect_dealer,
 )
+
+log = logging.getLogger("specd.scheduler")
 
 
 class WorkerDied(RuntimeError):
@@ -167,5 +170,5 @@ class WorkerClient:
     def shutdown(self) -> None:
         try:
             self.chan.send(Shutdown(reason="scheduler done"))
-        except ProtocolError:
-            pass
+        except ProtocolError as e:
+            log.warning("could not tell the worker to shut down: %s", e)
