@@ -33,7 +33,7 @@ format: ## apply ruff's formatter and autofixes
 	$(PY) -m ruff check --fix .
 
 run: ## the main job: worker + scheduler on the embedded SmolLM2, a short demo
-	$(VENV)/bin/specd demo
+	$(VENV)/bin/specd demo --worker-log /dev/null
 
 bench-protocol: ## encode+send+recv+decode per message between two processes
 	$(PY) bench/protocol_bench.py

@@ -1,19 +1,147 @@
-"""``specd``: the harness CLI. Subcommands land with their issues; until then they say so."""
+"""``specd``: the harness CLI.
+
+    specd run --prompt "Hello" [--worker ipc://...] [--model ...] [--drafter ngram] ...
+    specd run --file requests.jsonl          # one JSON object per line: Engine.add_request kwargs
+    specd demo                               # `make run`: four requests on the embedded model
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
+import time
+from typing import Any
+
+from scheduler_client.engine import Engine, EngineConfig
+from scheduler_client.request import Request
+from scheduler_client.scheduler import SchedulerConfig
+from scheduler_client.worker_client import HandshakeError, WorkerDied
+
+DEMO_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 40},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "city": {"type": "string", "maxLength": 40},
+    },
+    "required": ["name", "age", "city"],
+}
+DEMO_CODE = (
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n"
+)
+DEMO = [
+    {"req_id": "json-extract", "max_tokens": 60, "structured": {"json": DEMO_SCHEMA},
+     "messages": [{"role": "user", "content": "Extract the person as JSON: Maria Lopez is 34 "
+                   "years old and lives in Lisbon."}]},
+    {"req_id": "regex-date", "max_tokens": 20, "structured": {"regex": r"\d{4}-\d{2}-\d{2}"},
+     "messages": [{"role": "user", "content": "When did the Berlin Wall fall? Give the date."}]},
+    {"req_id": "choice", "max_tokens": 8, "structured": {"choice": ["positive", "negative"]},
+     "messages": [{"role": "user", "content": "Sentiment of 'I love this phone!'?"}]},
+    {"req_id": "edit-ngram", "max_tokens": 80,
+     "messages": [{"role": "user", "content": "Rename the function mean to average and return "
+                   "the whole code:\n" + DEMO_CODE}]},
+]
+
+
+def _engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--worker", default=None, help="connect to a running worker at this address "
+                    "instead of launching one")
+    ap.add_argument("--model", default="embedded:smollm2", help="model for the launched worker")
+    ap.add_argument("--drafter", default="ngram", choices=("none", "ngram", "draft_model"))
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when present)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--grammar-backend", default="llguidance")
+    ap.add_argument("--no-forced-drafts", action="store_true",
+                    help="do not offer grammar-forced tokens as drafts")
+    ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
+
+
+def _config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        worker_addr=a.worker, model=a.model, drafter=a.drafter, draft_model=a.draft_model,
+        num_speculative_tokens=a.num_speculative_tokens, device=a.device,
+        max_model_len=a.max_model_len, worker_max_num_seqs=a.max_num_seqs,
+        grammar_backend=a.grammar_backend, worker_log=a.worker_log,
+        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
+                                  max_num_batched_tokens=a.max_num_batched_tokens,
+                                  forced_drafts=not a.no_forced_drafts),
+    )
+
+
+def _print_result(req: Request) -> None:
+    print(json.dumps({
+        "req_id": req.req_id, "text": req.text, "finish_reason": req.finish_reason,
+        "error": req.error, "metrics": req.metrics.summary(),
+    }, ensure_ascii=False))
+
+
+def _run(engine: Engine, requests: list[dict[str, Any]]) -> int:
+    t0 = time.monotonic()
+    done = engine.generate(requests)
+    for req in done:
+        _print_result(req)
+    summary = engine.metrics()
+    summary["wall_s"] = round(time.monotonic() - t0, 2)
+    print(json.dumps({"metrics": summary}))
+    return 1 if any(r.error for r in done) else 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = sys.argv[1:] if argv is None else argv
-    name = args[0] if args else "(none)"
-    print(
-        f"specd {name}: not built yet. The scheduler, `specd run` and `make run` are issue #4; "
-        "see docs/operations.md for what works today.",
-        file=sys.stderr,
-    )
-    return 2
+    ap = argparse.ArgumentParser(prog="specd", description="specd harness: run requests through "
+                                 "a scheduler and a worker (two processes)")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    run = sub.add_parser("run", help="run one prompt or a JSONL file of requests")
+    _engine_args(run)
+    src = run.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="raw prompt text")
+    src.add_argument("--chat", help="one user message, wrapped in the chat template")
+    src.add_argument("--file", help="JSONL: one object of Engine.add_request arguments per line")
+    run.add_argument("--max-tokens", type=int, default=64)
+    run.add_argument("--temperature", type=float, default=0.0)
+    run.add_argument("--json-schema", help="file with a JSON schema the output must match")
+    run.add_argument("--regex", help="regex the output must match")
+    run.add_argument("--choice", nargs="+", help="the output must be one of these")
+    demo = sub.add_parser("demo", help="the `make run` demo on the embedded model")
+    _engine_args(demo)
+    a = ap.parse_args(argv)
+
+    if a.cmd == "demo":
+        requests = DEMO
+        if a.device is None:
+            a.device = "cpu"
+    elif a.file:
+        with open(a.file) as f:
+            requests = [json.loads(line) for line in f if line.strip()]
+    else:
+        structured: dict[str, Any] | None = None
+        if a.json_schema:
+            with open(a.json_schema) as f:
+                structured = {"json": json.load(f)}
+        elif a.regex:
+            structured = {"regex": a.regex}
+        elif a.choice:
+            structured = {"choice": a.choice}
+        req: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temperature,
+                               "structured": structured}
+        if a.prompt is not None:
+            req["prompt"] = a.prompt
+        else:
+            req["messages"] = [{"role": "user", "content": a.chat}]
+        requests = [req]
+    try:
+        with Engine(_config(a)) as engine:
+            print(f"# worker ready: {engine.ready.model_name}, drafter {engine.ready.drafter}, "
+                  f"k={engine.ready.max_num_speculative_tokens}", file=sys.stderr)
+            return _run(engine, requests)
+    except (WorkerDied, HandshakeError, FileNotFoundError, ValueError) as e:
+        print(f"specd: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""``specd-scheduler``: the scheduler daemon (issue #4). Until it exists it says so and fails."""
+"""``specd-scheduler``: a long-running scheduler daemon with its own front door is issue #5
+(operations). Today the scheduler runs inside ``specd run`` and the ``Engine`` API."""
 
 from __future__ import annotations
 
@@ -6,7 +7,11 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
-    print("specd-scheduler: not built yet (issue #4: the scheduler).", file=sys.stderr)
+    print(
+        "specd-scheduler: the standalone scheduler daemon is not built yet (issue #5). Use "
+        "`specd run` (or scheduler_client.Engine), which runs the scheduler beside a worker.",
+        file=sys.stderr,
+    )
     return 2
 
 

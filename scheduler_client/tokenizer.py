@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
 
@@ -46,7 +46,8 @@ class TokenizerInfo:
             raise ValueError(
                 f"the tokenizer in {self.directory} has no chat template: send a prompt"
             )
-        env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+        # Templates come with model files: render them sandboxed, as transformers does.
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise
         return env.from_string(self.chat_template).render(
             messages=messages,

@@ -1,0 +1,206 @@
+"""Scheduler and worker as two real processes over ipc:// (CPU, tiny byte-level models)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import pytest
+
+from scheduler_client import Engine, EngineConfig, SchedulerConfig, WorkerDied
+from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_model
+
+SEED = 31
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_byte_model("llama", SEED, tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_byte_model("llama", SEED + 1, tmp_path_factory.mktemp("draft"), layers=1)
+
+
+def engine(target: Path, drafter: str, draft: Path | None = None, **kw: object) -> Engine:
+    return Engine(EngineConfig(
+        model=str(target), drafter=drafter, draft_model=str(draft) if draft else None,
+        num_speculative_tokens=4, device="cpu", max_model_len=384, worker_max_num_seqs=8,
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
+                                  max_prefill_chunk=48),
+        step_timeout_s=60, **kw,  # type: ignore[arg-type]
+    ))
+
+
+@pytest.fixture(scope="module", params=["none", "ngram", "draft_model"])
+def eng(request: pytest.FixtureRequest, target_dir: Path, draft_dir: Path) -> Iterator[Engine]:
+    e = engine(target_dir, request.param, draft_dir if request.param == "draft_model" else None)
+    yield e
+    e.close()
+
+
+def prompts(n: int) -> list[list[int]]:
+    base = [list(b"the cat sat on the mat. the cat sat"), list(b'{"name": "ab'), list(b"12121212"),
+            list(b"hello world"), list(b"abcabcabcabcabc"), list(b"x"), list(b"aaaa bbbb aaaa"),
+            list(b"The quick brown fox jumps over the lazy dog " * 2)]
+    return base[:n]
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_greedy_through_two_processes_equals_target_greedy(eng: Engine, batch: int) -> None:
+    ref = reference_copy(tiny_model("llama", SEED, vocab=259))
+    ps = prompts(batch)
+    reqs = eng.generate([
+        {"prompt": p, "max_tokens": 20, "ignore_eos": True, "num_speculative_tokens": i % 5}
+        for i, p in enumerate(ps)
+    ])
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.error is None, r.error
+        assert r.output_ids == greedy_reference(ref, p, 20), r.req_id
+
+
+SCHEMAS = [
+    {  # nested object, enum, bounded integer
+        "type": "object",
+        "properties": {
+            "user": {"type": "object", "properties": {
+                "name": {"type": "string", "maxLength": 6},
+                "role": {"enum": ["admin", "guest"]},
+            }, "required": ["name", "role"]},
+            "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        },
+        "required": ["user", "age"],
+    },
+    {  # array with bounded items, pattern string
+        "type": "object",
+        "properties": {
+            "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+                     "minItems": 1, "maxItems": 3},
+            "ok": {"type": "boolean"},
+        },
+        "required": ["tags", "ok"],
+    },
+    {"type": "array", "items": {"type": "integer", "minimum": -5, "maximum": 5}, "maxItems": 4},
+]
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["nested-enum-int", "array-pattern", "int-array"])
+def test_json_schema_outputs_validate(eng: Engine, schema: dict[str, object]) -> None:
+    reqs = eng.generate([
+        {"messages": [{"role": "user", "content": f"json please {i}"}], "max_tokens": 200,
+         "structured": {"json": schema}}
+        for i in range(3)
+    ])
+    for r in reqs:
+        assert r.error is None, r.error
+        assert r.finish_reason == "stop", (r.finish_reason, r.text)
+        jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_regex_choice_and_lark(eng: Engine) -> None:
+    lark = 'start: "ab" mid "!"\nmid: /[0-9]{2,3}/'
+    reqs = eng.generate([
+        {"prompt": "phone", "max_tokens": 40, "structured": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}},
+        {"prompt": "pick", "max_tokens": 40, "structured": {"choice": ["red", "green", "blue"]}},
+        {"prompt": "lark", "max_tokens": 40, "structured": {"grammar": lark}},
+    ])
+    assert all(r.error is None for r in reqs), [r.error for r in reqs]
+    assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", reqs[0].text), reqs[0].text
+    assert reqs[1].text in ("red", "green", "blue")
+    assert re.fullmatch(r"ab[0-9]{2,3}!", reqs[2].text), reqs[2].text
+
+
+def test_forbidden_drafts_are_dropped(target_dir: Path, draft_dir: Path) -> None:
+    """A random draft model proposes bytes the grammar forbids: they are dropped (counted), and the
+    output is still valid."""
+    with engine(target_dir, "draft_model", draft_dir) as e:
+        schema = SCHEMAS[0]
+        reqs = e.generate([{"prompt": "x", "max_tokens": 200, "structured": {"json": schema}}])
+        assert reqs[0].error is None
+        jsonschema.validate(json.loads(reqs[0].text), schema)
+        assert reqs[0].metrics.num_grammar_invalid > 0
+        assert reqs[0].metrics.num_draft_tokens > 0
+
+
+def test_bad_requests_fail_alone(target_dir: Path) -> None:
+    with engine(target_dir, "ngram") as e:
+        good = e.add_request("hello", max_tokens=8, ignore_eos=True)
+        bad_schema = e.add_request("x", structured={"json": {"type": "object", "properties": 5}})
+        too_long = e.add_request(list(range(3, 3 + 400)), max_tokens=4)
+        victim = e.add_request("abort me", max_tokens=300, ignore_eos=True)
+        e.step()
+        e.step()
+        e.abort(victim.req_id)
+        e.run_until_done()
+        assert bad_schema.finish_reason == "error" and "invalid json spec" in (bad_schema.error or "")
+        assert too_long.finish_reason == "error" and "too long" in (too_long.error or "")
+        assert victim.finish_reason == "abort"
+        assert good.error is None and len(good.output_ids) == 8
+        # the aborted request's slot is free on the worker: it takes max_num_seqs new requests
+        more = e.generate([{"prompt": "y", "max_tokens": 3, "ignore_eos": True}] * 8)
+        assert all(r.error is None and len(r.output_ids) == 3 for r in more)
+
+
+def test_stale_drafts_are_dropped_and_output_stays_constrained(target_dir: Path) -> None:
+    with engine(target_dir, "ngram") as e:
+        req = e.add_request("x", max_tokens=200, structured={"choice": ["alpha", "beta"]})
+        e.step()  # prefill + first token
+        from protocol import DraftTokenIds
+        import numpy as np
+
+        stale = DraftTokenIds(step_id=e.scheduler.last_done_step - 5, req_ids=[req.req_id],
+                              num_draft_tokens=np.array([2], np.int32),
+                              draft_token_ids=np.array([1, 2], np.int32),
+                              num_committed_tokens=np.array([req.num_tokens], np.int32))
+        e.scheduler.take_drafts(stale)
+        assert len(req.draft_ids) == 0 and req.metrics.num_stale == 1
+        e.run_until_done()
+        assert req.error is None and req.text in ("alpha", "beta")
+
+
+def test_worker_killed_mid_run_reports_within_two_seconds(target_dir: Path) -> None:
+    e = engine(target_dir, "ngram")
+    try:
+        reqs = [e.add_request("long", max_tokens=300, ignore_eos=True) for _ in range(3)]
+        for _ in range(3):
+            e.step()
+        assert e.proc is not None
+        os.kill(e.proc.pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied) as info:
+            while True:
+                e.step()
+        assert time.monotonic() - t0 < 2.0
+        assert "exited" in str(info.value)
+        assert all(r.finish_reason == "error" and "worker died" in (r.error or "") for r in reqs)
+    finally:
+        e.close()
+
+
+def test_specd_run_connects_to_a_running_worker(target_dir: Path, ipc_addr: str) -> None:
+    import subprocess
+    import sys
+
+    worker = subprocess.Popen([sys.executable, "-m", "worker.daemon", "--model", str(target_dir),
+                               "--device", "cpu", "--listen", ipc_addr, "--max-model-len", "128"])
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "scheduler_client.cli", "run", "--worker", ipc_addr,
+             "--prompt", "hello", "--max-tokens", "6", "--choice", "yes", "no"],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 0, out.stderr
+        lines = [json.loads(line) for line in out.stdout.splitlines()]
+        assert lines[0]["text"] in ("yes", "no") and lines[0]["error"] is None
+        assert "mean_acceptance_length" in lines[-1]["metrics"]
+        assert worker.poll() is None, "a worker we did not launch must keep running"
+    finally:
+        worker.kill()
+        worker.wait(timeout=30)
