@@ -15,7 +15,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from scheduler_client import Engine, EngineConfig, SchedulerConfig  # noqa: E402
+from scheduler_client import Engine, EngineConfig, SchedulerConfig
 
 SCHEMA = {
     "type": "object",
@@ -37,15 +37,27 @@ TEXTS = [
 
 
 def run(forced: bool) -> dict[str, float]:
-    cfg = EngineConfig(model="embedded:smollm2", drafter="ngram", device="cpu",
-                       max_model_len=1024, worker_max_num_seqs=4, worker_log=os.devnull,
-                       scheduler=SchedulerConfig(max_num_seqs=4, forced_drafts=forced))
+    cfg = EngineConfig(
+        model="embedded:smollm2",
+        drafter="ngram",
+        device="cpu",
+        max_model_len=1024,
+        worker_max_num_seqs=4,
+        worker_log=os.devnull,
+        scheduler=SchedulerConfig(max_num_seqs=4, forced_drafts=forced),
+    )
     with Engine(cfg) as e:
         e.generate([{"messages": [{"role": "user", "content": "x"}], "max_tokens": 2}])  # warm up
         first_step = e.scheduler.step_id
         t0 = time.perf_counter()
-        reqs = [e.add_request(messages=[{"role": "user", "content": f"Extract as JSON: {t}"}],
-                              max_tokens=120, structured={"json": SCHEMA}) for t in TEXTS]
+        reqs = [
+            e.add_request(
+                messages=[{"role": "user", "content": f"Extract as JSON: {t}"}],
+                max_tokens=120,
+                structured={"json": SCHEMA},
+            )
+            for t in TEXTS
+        ]
         for r in reqs:  # the four run together (batch 4)
             while not r.finished:
                 e.step()
@@ -56,22 +68,33 @@ def run(forced: bool) -> dict[str, float]:
         acc = sum(r.metrics.num_accepted for r in reqs)
         drafts = sum(r.metrics.num_drafts for r in reqs)
         assert all(r.error is None for r in reqs)
-        return {"tokens": tokens, "steps": steps, "tok_s": tokens / dt,
-                "tokens_per_step": tokens / steps, "forced": forced_n,
-                "mean_acceptance_length": 1 + acc / max(drafts, 1)}
+        return {
+            "tokens": tokens,
+            "steps": steps,
+            "tok_s": tokens / dt,
+            "tokens_per_step": tokens / steps,
+            "forced": forced_n,
+            "mean_acceptance_length": 1 + acc / max(drafts, 1),
+        }
 
 
 def main() -> None:
     off = run(False)
     on = run(True)
-    print("| forced drafts | output tokens | target steps | tokens/step | tok/s | forced offered | "
-          "mean acceptance length |")
+    print(
+        "| forced drafts | output tokens | target steps | tokens/step | tok/s | forced offered | "
+        "mean acceptance length |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for name, r in (("off", off), ("on", on)):
-        print(f"| {name} | {r['tokens']:.0f} | {r['steps']:.0f} | {r['tokens_per_step']:.2f} | "
-              f"{r['tok_s']:.1f} | {r['forced']:.0f} | {r['mean_acceptance_length']:.2f} |")
-    print(f"steps saved by forced drafts: {1 - on['steps'] / off['steps']:.1%}; "
-          f"tok/s ratio on/off: {on['tok_s'] / off['tok_s']:.2f}")
+        print(
+            f"| {name} | {r['tokens']:.0f} | {r['steps']:.0f} | {r['tokens_per_step']:.2f} | "
+            f"{r['tok_s']:.1f} | {r['forced']:.0f} | {r['mean_acceptance_length']:.2f} |"
+        )
+    print(
+        f"steps saved by forced drafts: {1 - on['steps'] / off['steps']:.1%}; "
+        f"tok/s ratio on/off: {on['tok_s'] / off['tok_s']:.2f}"
+    )
 
 
 if __name__ == "__main__":

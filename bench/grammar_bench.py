@@ -18,9 +18,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from scheduler_client.grammar import LLGuidanceBackend, StructuredSpec  # noqa: E402
-from scheduler_client.tokenizer import TokenizerInfo  # noqa: E402
-from worker.model_loader import EMBEDDED_MODEL, resolve_model_dir  # noqa: E402
+from scheduler_client.grammar import LLGuidanceBackend, StructuredSpec
+from scheduler_client.tokenizer import TokenizerInfo
+from worker.model_loader import EMBEDDED_MODEL, resolve_model_dir
 
 SCHEMA = {
     "type": "object",
@@ -28,18 +28,28 @@ SCHEMA = {
         "id": {"type": "integer"},
         "name": {"type": "string"},
         "tags": {"type": "array", "items": {"type": "string"}},
-        "address": {"type": "object", "properties": {
-            "street": {"type": "string"}, "city": {"type": "string"},
-            "zip": {"type": "string", "pattern": "^[0-9]{5}$"}},
-            "required": ["street", "city", "zip"]},
+        "address": {
+            "type": "object",
+            "properties": {
+                "street": {"type": "string"},
+                "city": {"type": "string"},
+                "zip": {"type": "string", "pattern": "^[0-9]{5}$"},
+            },
+            "required": ["street", "city", "zip"],
+        },
         "active": {"type": "boolean"},
         "score": {"type": "number"},
     },
     "required": ["id", "name", "tags", "address", "active", "score"],
 }
-INSTANCE = {"id": 7, "name": "Maria Lopez", "tags": ["a", "bb", "ccc"],
-            "address": {"street": "Rua Augusta 12", "city": "Lisbon", "zip": "11000"},
-            "active": True, "score": 3.5}
+INSTANCE = {
+    "id": 7,
+    "name": "Maria Lopez",
+    "tags": ["a", "bb", "ccc"],
+    "address": {"street": "Rua Augusta 12", "city": "Lisbon", "zip": "11000"},
+    "active": True,
+    "score": 3.5,
+}
 
 
 def main() -> None:
@@ -80,11 +90,15 @@ def main() -> None:
     print(f"| compile, new JSON schema (median of 20) | {statistics.median(fresh) * 1e3:.2f} ms |")
     print(f"| compile, cache hit | {hit * 1e6:.1f} µs |")
     print(f"| validate 5 drafts (median) | {statistics.median(validates) * 1e6:.1f} µs |")
-    print(f"| 6 rows for a 5-token draft (median / p99) | {statistics.median(per_step) * 1e6:.0f} / "
-          f"{np.percentile(per_step, 99) * 1e6:.0f} µs |")
+    print(
+        f"| 6 rows for a 5-token draft (median / p99) | {statistics.median(per_step) * 1e6:.0f} / "
+        f"{np.percentile(per_step, 99) * 1e6:.0f} µs |"
+    )
     print(f"| bitmask rows per second (one core) | {rows / total:,.0f} |")
-    print(f"| 64 requests × 6 rows, one step (from the median) | "
-          f"{statistics.median(per_step) * 64 * 1e3:.1f} ms |")
+    print(
+        f"| 64 requests × 6 rows, one step (from the median) | "
+        f"{statistics.median(per_step) * 64 * 1e3:.1f} ms |"
+    )
     print(f"| instance length | {len(ids)} tokens |")
 
 

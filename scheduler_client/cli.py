@@ -1,8 +1,8 @@
 """``specd``: the harness CLI.
 
-    specd run --prompt "Hello" [--worker ipc://...] [--model ...] [--drafter ngram] ...
-    specd run --file requests.jsonl          # one JSON object per line: Engine.add_request kwargs
-    specd demo                               # `make run`: four requests on the embedded model
+specd run --prompt "Hello" [--worker ipc://...] [--model ...] [--drafter ngram] ...
+specd run --file requests.jsonl          # one JSON object per line: Engine.add_request kwargs
+specd demo                               # `make run`: four requests on the embedded model
 """
 
 from __future__ import annotations
@@ -32,22 +32,50 @@ DEMO_CODE = (
     "    return total / len(values)\n"
 )
 DEMO = [
-    {"req_id": "json-extract", "max_tokens": 60, "structured": {"json": DEMO_SCHEMA},
-     "messages": [{"role": "user", "content": "Extract the person as JSON: Maria Lopez is 34 "
-                   "years old and lives in Lisbon."}]},
-    {"req_id": "regex-date", "max_tokens": 20, "structured": {"regex": r"\d{4}-\d{2}-\d{2}"},
-     "messages": [{"role": "user", "content": "When did the Berlin Wall fall? Give the date."}]},
-    {"req_id": "choice", "max_tokens": 8, "structured": {"choice": ["positive", "negative"]},
-     "messages": [{"role": "user", "content": "Sentiment of 'I love this phone!'?"}]},
-    {"req_id": "edit-ngram", "max_tokens": 80,
-     "messages": [{"role": "user", "content": "Rename the function mean to average and return "
-                   "the whole code:\n" + DEMO_CODE}]},
+    {
+        "req_id": "json-extract",
+        "max_tokens": 60,
+        "structured": {"json": DEMO_SCHEMA},
+        "messages": [
+            {
+                "role": "user",
+                "content": "Extract the person as JSON: Maria Lopez is 34 "
+                "years old and lives in Lisbon.",
+            }
+        ],
+    },
+    {
+        "req_id": "regex-date",
+        "max_tokens": 20,
+        "structured": {"regex": r"\d{4}-\d{2}-\d{2}"},
+        "messages": [{"role": "user", "content": "When did the Berlin Wall fall? Give the date."}],
+    },
+    {
+        "req_id": "choice",
+        "max_tokens": 8,
+        "structured": {"choice": ["positive", "negative"]},
+        "messages": [{"role": "user", "content": "Sentiment of 'I love this phone!'?"}],
+    },
+    {
+        "req_id": "edit-ngram",
+        "max_tokens": 80,
+        "messages": [
+            {
+                "role": "user",
+                "content": "Rename the function mean to average and return "
+                "the whole code:\n" + DEMO_CODE,
+            }
+        ],
+    },
 ]
 
 
 def _engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--worker", default=None, help="connect to a running worker at this address "
-                    "instead of launching one")
+    ap.add_argument(
+        "--worker",
+        default=None,
+        help="connect to a running worker at this address instead of launching one",
+    )
     ap.add_argument("--model", default="embedded:smollm2", help="model for the launched worker")
     ap.add_argument("--drafter", default="ngram", choices=("none", "ngram", "draft_model"))
     ap.add_argument("--draft-model", default=None)
@@ -57,28 +85,47 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--grammar-backend", default="llguidance")
-    ap.add_argument("--no-forced-drafts", action="store_true",
-                    help="do not offer grammar-forced tokens as drafts")
+    ap.add_argument(
+        "--no-forced-drafts",
+        action="store_true",
+        help="do not offer grammar-forced tokens as drafts",
+    )
     ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
     return EngineConfig(
-        worker_addr=a.worker, model=a.model, drafter=a.drafter, draft_model=a.draft_model,
-        num_speculative_tokens=a.num_speculative_tokens, device=a.device,
-        max_model_len=a.max_model_len, worker_max_num_seqs=a.max_num_seqs,
-        grammar_backend=a.grammar_backend, worker_log=a.worker_log,
-        scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs,
-                                  max_num_batched_tokens=a.max_num_batched_tokens,
-                                  forced_drafts=not a.no_forced_drafts),
+        worker_addr=a.worker,
+        model=a.model,
+        drafter=a.drafter,
+        draft_model=a.draft_model,
+        num_speculative_tokens=a.num_speculative_tokens,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        worker_max_num_seqs=a.max_num_seqs,
+        grammar_backend=a.grammar_backend,
+        worker_log=a.worker_log,
+        scheduler=SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            forced_drafts=not a.no_forced_drafts,
+        ),
     )
 
 
 def _print_result(req: Request) -> None:
-    print(json.dumps({
-        "req_id": req.req_id, "text": req.text, "finish_reason": req.finish_reason,
-        "error": req.error, "metrics": req.metrics.summary(),
-    }, ensure_ascii=False))
+    print(
+        json.dumps(
+            {
+                "req_id": req.req_id,
+                "text": req.text,
+                "finish_reason": req.finish_reason,
+                "error": req.error,
+                "metrics": req.metrics.summary(),
+            },
+            ensure_ascii=False,
+        )
+    )
 
 
 def _run(engine: Engine, requests: list[dict[str, Any]]) -> int:
@@ -93,8 +140,10 @@ def _run(engine: Engine, requests: list[dict[str, Any]]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="specd", description="specd harness: run requests through "
-                                 "a scheduler and a worker (two processes)")
+    ap = argparse.ArgumentParser(
+        prog="specd",
+        description="specd harness: run requests through a scheduler and a worker (two processes)",
+    )
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one prompt or a JSONL file of requests")
     _engine_args(run)
@@ -127,8 +176,11 @@ def main(argv: list[str] | None = None) -> int:
             structured = {"regex": a.regex}
         elif a.choice:
             structured = {"choice": a.choice}
-        req: dict[str, Any] = {"max_tokens": a.max_tokens, "temperature": a.temperature,
-                               "structured": structured}
+        req: dict[str, Any] = {
+            "max_tokens": a.max_tokens,
+            "temperature": a.temperature,
+            "structured": structured,
+        }
         if a.prompt is not None:
             req["prompt"] = a.prompt
         else:
@@ -136,8 +188,11 @@ def main(argv: list[str] | None = None) -> int:
         requests = [req]
     try:
         with Engine(_config(a)) as engine:
-            print(f"# worker ready: {engine.ready.model_name}, drafter {engine.ready.drafter}, "
-                  f"k={engine.ready.max_num_speculative_tokens}", file=sys.stderr)
+            print(
+                f"# worker ready: {engine.ready.model_name}, drafter {engine.ready.drafter}, "
+                f"k={engine.ready.max_num_speculative_tokens}",
+                file=sys.stderr,
+            )
             return _run(engine, requests)
     except (WorkerDied, HandshakeError, FileNotFoundError, ValueError) as e:
         print(f"specd: {e}", file=sys.stderr)

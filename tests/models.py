@@ -99,7 +99,13 @@ def save_byte_model(arch: str, seed: int, directory: Path, *, layers: int = 2) -
     model.generation_config.eos_token_id = EOS_ID
     model.save_pretrained(str(directory))
     tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({
-        "eos_token": "<|endoftext|>", "bos_token": None, "chat_template": CHAT_TEMPLATE,
-    }))
+    (directory / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "eos_token": "<|endoftext|>",
+                "bos_token": None,
+                "chat_template": CHAT_TEMPLATE,
+            }
+        )
+    )
     return directory

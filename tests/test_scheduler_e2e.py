@@ -30,13 +30,22 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def engine(target: Path, drafter: str, draft: Path | None = None, **kw: object) -> Engine:
-    return Engine(EngineConfig(
-        model=str(target), drafter=drafter, draft_model=str(draft) if draft else None,
-        num_speculative_tokens=4, device="cpu", max_model_len=384, worker_max_num_seqs=8,
-        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=512,
-                                  max_prefill_chunk=48),
-        step_timeout_s=60, **kw,  # type: ignore[arg-type]
-    ))
+    return Engine(
+        EngineConfig(
+            model=str(target),
+            drafter=drafter,
+            draft_model=str(draft) if draft else None,
+            num_speculative_tokens=4,
+            device="cpu",
+            max_model_len=384,
+            worker_max_num_seqs=8,
+            scheduler=SchedulerConfig(
+                max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=48
+            ),
+            step_timeout_s=60,
+            **kw,  # type: ignore[arg-type]
+        )
+    )
 
 
 @pytest.fixture(scope="module", params=["none", "ngram", "draft_model"])
@@ -47,9 +56,16 @@ def eng(request: pytest.FixtureRequest, target_dir: Path, draft_dir: Path) -> It
 
 
 def prompts(n: int) -> list[list[int]]:
-    base = [list(b"the cat sat on the mat. the cat sat"), list(b'{"name": "ab'), list(b"12121212"),
-            list(b"hello world"), list(b"abcabcabcabcabc"), list(b"x"), list(b"aaaa bbbb aaaa"),
-            list(b"The quick brown fox jumps over the lazy dog " * 2)]
+    base = [
+        list(b"the cat sat on the mat. the cat sat"),
+        list(b'{"name": "ab'),
+        list(b"12121212"),
+        list(b"hello world"),
+        list(b"abcabcabcabcabc"),
+        list(b"x"),
+        list(b"aaaa bbbb aaaa"),
+        list(b"The quick brown fox jumps over the lazy dog " * 2),
+    ]
     return base[:n]
 
 
@@ -57,10 +73,12 @@ def prompts(n: int) -> list[list[int]]:
 def test_greedy_through_two_processes_equals_target_greedy(eng: Engine, batch: int) -> None:
     ref = reference_copy(tiny_model("llama", SEED, vocab=259))
     ps = prompts(batch)
-    reqs = eng.generate([
-        {"prompt": p, "max_tokens": 20, "ignore_eos": True, "num_speculative_tokens": i % 5}
-        for i, p in enumerate(ps)
-    ])
+    reqs = eng.generate(
+        [
+            {"prompt": p, "max_tokens": 20, "ignore_eos": True, "num_speculative_tokens": i % 5}
+            for i, p in enumerate(ps)
+        ]
+    )
     for r, p in zip(reqs, ps, strict=True):
         assert r.error is None, r.error
         assert r.output_ids == greedy_reference(ref, p, 20), r.req_id
@@ -70,10 +88,14 @@ SCHEMAS = [
     {  # nested object, enum, bounded integer
         "type": "object",
         "properties": {
-            "user": {"type": "object", "properties": {
-                "name": {"type": "string", "maxLength": 6},
-                "role": {"enum": ["admin", "guest"]},
-            }, "required": ["name", "role"]},
+            "user": {
+                "type": "object",
+                "properties": {
+                    "name": {"type": "string", "maxLength": 6},
+                    "role": {"enum": ["admin", "guest"]},
+                },
+                "required": ["name", "role"],
+            },
             "age": {"type": "integer", "minimum": 0, "maximum": 120},
         },
         "required": ["user", "age"],
@@ -81,8 +103,12 @@ SCHEMAS = [
     {  # array with bounded items, pattern string
         "type": "object",
         "properties": {
-            "tags": {"type": "array", "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
-                     "minItems": 1, "maxItems": 3},
+            "tags": {
+                "type": "array",
+                "items": {"type": "string", "pattern": "^[a-z]{1,4}$"},
+                "minItems": 1,
+                "maxItems": 3,
+            },
             "ok": {"type": "boolean"},
         },
         "required": ["tags", "ok"],
@@ -93,11 +119,16 @@ SCHEMAS = [
 
 @pytest.mark.parametrize("schema", SCHEMAS, ids=["nested-enum-int", "array-pattern", "int-array"])
 def test_json_schema_outputs_validate(eng: Engine, schema: dict[str, object]) -> None:
-    reqs = eng.generate([
-        {"messages": [{"role": "user", "content": f"json please {i}"}], "max_tokens": 200,
-         "structured": {"json": schema}}
-        for i in range(3)
-    ])
+    reqs = eng.generate(
+        [
+            {
+                "messages": [{"role": "user", "content": f"json please {i}"}],
+                "max_tokens": 200,
+                "structured": {"json": schema},
+            }
+            for i in range(3)
+        ]
+    )
     for r in reqs:
         assert r.error is None, r.error
         assert r.finish_reason == "stop", (r.finish_reason, r.text)
@@ -106,11 +137,21 @@ def test_json_schema_outputs_validate(eng: Engine, schema: dict[str, object]) ->
 
 def test_regex_choice_and_lark(eng: Engine) -> None:
     lark = 'start: "ab" mid "!"\nmid: /[0-9]{2,3}/'
-    reqs = eng.generate([
-        {"prompt": "phone", "max_tokens": 40, "structured": {"regex": r"\(\d{3}\) \d{3}-\d{4}"}},
-        {"prompt": "pick", "max_tokens": 40, "structured": {"choice": ["red", "green", "blue"]}},
-        {"prompt": "lark", "max_tokens": 40, "structured": {"grammar": lark}},
-    ])
+    reqs = eng.generate(
+        [
+            {
+                "prompt": "phone",
+                "max_tokens": 40,
+                "structured": {"regex": r"\(\d{3}\) \d{3}-\d{4}"},
+            },
+            {
+                "prompt": "pick",
+                "max_tokens": 40,
+                "structured": {"choice": ["red", "green", "blue"]},
+            },
+            {"prompt": "lark", "max_tokens": 40, "structured": {"grammar": lark}},
+        ]
+    )
     assert all(r.error is None for r in reqs), [r.error for r in reqs]
     assert re.fullmatch(r"\(\d{3}\) \d{3}-\d{4}", reqs[0].text), reqs[0].text
     assert reqs[1].text in ("red", "green", "blue")
@@ -139,7 +180,9 @@ def test_bad_requests_fail_alone(target_dir: Path) -> None:
         e.step()
         e.abort(victim.req_id)
         e.run_until_done()
-        assert bad_schema.finish_reason == "error" and "invalid json spec" in (bad_schema.error or "")
+        assert bad_schema.finish_reason == "error" and "invalid json spec" in (
+            bad_schema.error or ""
+        )
         assert too_long.finish_reason == "error" and "too long" in (too_long.error or "")
         assert victim.finish_reason == "abort"
         assert good.error is None and len(good.output_ids) == 8
@@ -152,13 +195,17 @@ def test_stale_drafts_are_dropped_and_output_stays_constrained(target_dir: Path)
     with engine(target_dir, "ngram") as e:
         req = e.add_request("x", max_tokens=200, structured={"choice": ["alpha", "beta"]})
         e.step()  # prefill + first token
-        from protocol import DraftTokenIds
         import numpy as np
 
-        stale = DraftTokenIds(step_id=e.scheduler.last_done_step - 5, req_ids=[req.req_id],
-                              num_draft_tokens=np.array([2], np.int32),
-                              draft_token_ids=np.array([1, 2], np.int32),
-                              num_committed_tokens=np.array([req.num_tokens], np.int32))
+        from protocol import DraftTokenIds
+
+        stale = DraftTokenIds(
+            step_id=e.scheduler.last_done_step - 5,
+            req_ids=[req.req_id],
+            num_draft_tokens=np.array([2], np.int32),
+            draft_token_ids=np.array([1, 2], np.int32),
+            num_committed_tokens=np.array([req.num_tokens], np.int32),
+        )
         e.scheduler.take_drafts(stale)
         assert len(req.draft_ids) == 0 and req.metrics.num_stale == 1
         e.run_until_done()
@@ -188,13 +235,41 @@ def test_specd_run_connects_to_a_running_worker(target_dir: Path, ipc_addr: str)
     import subprocess
     import sys
 
-    worker = subprocess.Popen([sys.executable, "-m", "worker.daemon", "--model", str(target_dir),
-                               "--device", "cpu", "--listen", ipc_addr, "--max-model-len", "128"])
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.daemon",
+            "--model",
+            str(target_dir),
+            "--device",
+            "cpu",
+            "--listen",
+            ipc_addr,
+            "--max-model-len",
+            "128",
+        ]
+    )
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "scheduler_client.cli", "run", "--worker", ipc_addr,
-             "--prompt", "hello", "--max-tokens", "6", "--choice", "yes", "no"],
-            capture_output=True, text=True, timeout=120,
+            [
+                sys.executable,
+                "-m",
+                "scheduler_client.cli",
+                "run",
+                "--worker",
+                ipc_addr,
+                "--prompt",
+                "hello",
+                "--max-tokens",
+                "6",
+                "--choice",
+                "yes",
+                "no",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
         )
         assert out.returncode == 0, out.stderr
         lines = [json.loads(line) for line in out.stdout.splitlines()]
