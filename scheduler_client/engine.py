@@ -271,11 +271,12 @@ def _spec(structured: StructuredSpec | dict[str, Any] | None) -> StructuredSpec 
         return structured
     if len(structured) != 1:
         raise ValueError(
-            'structured must have exactly one key: "json", "regex", "grammar" or "choice"'
+            'structured must have one key: "json", "regex", "grammar", "ebnf" or "choice"'
         )
     ((kind, value),) = structured.items()
     kinds: dict[str, SpecKind] = {
         "json": "json",
+        "ebnf": "ebnf",
         "regex": "regex",
         "grammar": "grammar",
         "choice": "choice",

@@ -22,9 +22,10 @@ from typing import Any, Literal, Protocol
 import llguidance
 import llguidance.numpy
 import numpy as np
+from llguidance.gbnf_to_lark import gbnf_to_lark
 
 MAX_JSON_WHITESPACE = 2
-SpecKind = Literal["json", "regex", "grammar", "choice"]
+SpecKind = Literal["json", "regex", "grammar", "ebnf", "choice"]
 
 
 class GrammarError(ValueError):
@@ -34,7 +35,8 @@ class GrammarError(ValueError):
 @dataclass(frozen=True)
 class StructuredSpec:
     """What the output must match. ``value``: a JSON schema (dict or JSON text) for "json", a regex
-    for "regex", a Lark grammar for "grammar", a list of strings for "choice"."""
+    for "regex", a Lark grammar for "grammar", a GBNF/EBNF grammar for "ebnf", a list of strings
+    for "choice"."""
 
     kind: SpecKind
     value: Any
@@ -70,6 +72,16 @@ def _forbid_extra_properties(schema: Any) -> Any:
 
 def _regex_escape_choice(text: str) -> str:
     return "".join("\\" + c if c in r".^$*+?()[]{}|\/" else c for c in text)
+
+
+def _choice_regex(choices: list[str]) -> str:
+    return "(" + "|".join(_regex_escape_choice(c) for c in choices) + ")"
+
+
+def _check_choice(value: Any) -> list[str]:
+    if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+        raise GrammarError("a choice spec must be a non-empty list of non-empty strings")
+    return value
 
 
 class LLGuidanceBackend:
@@ -133,20 +145,14 @@ class LLGuidanceBackend:
                 if not isinstance(spec.value, str):
                     raise GrammarError("a grammar spec must be Lark text")
                 return str(llguidance.LLMatcher.grammar_from_lark(spec.value))
+            if spec.kind == "ebnf":
+                if not isinstance(spec.value, str):
+                    raise GrammarError("an ebnf spec must be GBNF text")
+                lark = gbnf_to_lark(spec.value)
+                return str(llguidance.LLMatcher.grammar_from_lark(lark))
             if spec.kind == "choice":
-                if (
-                    not isinstance(spec.value, list)
-                    or not spec.value
-                    or not all(isinstance(c, str) and c for c in spec.value)
-                ):
-                    raise GrammarError(
-                        "a choice spec must be a non-empty list of non-empty strings"
-                    )
-                return str(
-                    llguidance.LLMatcher.grammar_from_regex(
-                        "(" + "|".join(_regex_escape_choice(c) for c in spec.value) + ")"
-                    )
-                )
+                regex = _choice_regex(_check_choice(spec.value))
+                return str(llguidance.LLMatcher.grammar_from_regex(regex))
         except (ValueError, TypeError) as e:
             if isinstance(e, GrammarError):
                 raise
@@ -237,11 +243,20 @@ class LLGuidanceMatcher:
         return bool(self._m.consume_token(token))
 
 
+class GrammarBackend(Protocol):
+    name: str
+
+    def compile(self, spec: StructuredSpec) -> Any: ...
+    def matcher(self, spec: StructuredSpec) -> Matcher: ...
+
+
 def make_backend(
     name: str, tokenizer_json: str, vocab_size: int, eos_token_ids: tuple[int, ...]
-) -> LLGuidanceBackend:
+) -> GrammarBackend:
     if name == "llguidance":
         return LLGuidanceBackend(tokenizer_json, vocab_size, eos_token_ids)
     if name == "xgrammar":
-        raise ValueError("the xgrammar backend is not built yet; use --grammar-backend llguidance")
-    raise ValueError(f"unknown grammar backend {name!r}: use llguidance")
+        from scheduler_client.grammar_xgrammar import XGrammarBackend
+
+        return XGrammarBackend(tokenizer_json, vocab_size, eos_token_ids)
+    raise ValueError(f"unknown grammar backend {name!r}: use llguidance or xgrammar")

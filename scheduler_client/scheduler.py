@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol.messages import DraftTokenIds, ModelRunnerOutput, NewRequest, SchedulerOutput
-from scheduler_client.grammar import GrammarError, LLGuidanceBackend
+from scheduler_client.grammar import GrammarBackend, GrammarError
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
@@ -57,7 +57,7 @@ class Scheduler:
         config: SchedulerConfig,
         limits: WorkerLimits,
         tokenizer: TokenizerInfo | None,
-        grammar: LLGuidanceBackend | None,
+        grammar: GrammarBackend | None,
     ) -> None:
         self.config = config
         self.limits = limits

@@ -65,6 +65,8 @@ class WorkerClient:
         proc: subprocess.Popen[bytes] | None = None,
         step_timeout_s: float = 120.0,
         transport: TransportConfig | None = None,
+        ping_interval_s: float = 1.0,
+        max_missed_pings: int = 10,
     ) -> None:
         self.addr = addr
         self.proc = proc
@@ -74,6 +76,12 @@ class WorkerClient:
         self.ready: WorkerReady | None = None
         self.scheduler_id = uuid.uuid4().hex[:8]
         self._ping_seq = 0
+        # A worker we did not launch is watched with pings: after ping_interval_s of silence we
+        # ping; max_missed_pings unanswered in a row means it is gone. The worker answers pings
+        # between steps, so a step longer than interval * max_missed is taken for a death.
+        self.ping_interval_s = ping_interval_s
+        self.max_missed_pings = max_missed_pings
+        self._missed = 0
 
     def close(self) -> None:
         self.chan.close()
@@ -86,16 +94,30 @@ class WorkerClient:
             )
 
     def _recv(self, deadline: float, what: str) -> Message:
+        silent_since = time.monotonic()
         while True:
             self._check_alive()
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 raise WorkerDied(f"no {what} from the worker at {self.addr} within the timeout")
+            if (
+                self.proc is None
+                and self.ready is not None
+                and now - silent_since >= self.ping_interval_s
+            ):
+                if self._missed >= self.max_missed_pings:
+                    raise WorkerDied(f"the worker at {self.addr} missed {self._missed} pings")
+                self._ping_seq += 1
+                self._send(Ping(seq=self._ping_seq))
+                self._missed += 1
+                silent_since = now
             try:
                 got = self.chan.recv(timeout_ms=min(self.POLL_MS, max(1, int(left * 1000))))
             except ProtocolError as e:
                 raise WorkerDied(f"the worker sent a message that does not decode: {e}") from None
             if got is not None:
+                self._missed = 0
                 return got[1]
 
     def _send(self, msg: Message) -> None:
@@ -159,12 +181,14 @@ class WorkerClient:
         return StepResult(msg, drafts, errors)
 
     def ping(self, timeout_s: float = 5.0) -> Pong:
+        """A pong proves the worker's step loop is alive (it answers between steps)."""
         self._ping_seq += 1
-        self._send(Ping(seq=self._ping_seq))
+        seq = self._ping_seq
+        self._send(Ping(seq=seq))
         deadline = time.monotonic() + timeout_s
         while True:
             msg = self._recv(deadline, "pong")
-            if isinstance(msg, Pong) and msg.seq == self._ping_seq:
+            if isinstance(msg, Pong) and msg.seq >= seq:
                 return msg
 
     def shutdown(self) -> None:

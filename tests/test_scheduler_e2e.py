@@ -279,3 +279,84 @@ def test_specd_run_connects_to_a_running_worker(target_dir: Path, ipc_addr: str)
     finally:
         worker.kill()
         worker.wait(timeout=30)
+
+
+def test_missed_pings_detect_a_frozen_worker_we_did_not_launch(
+    target_dir: Path, ipc_addr: str
+) -> None:
+    """SIGSTOP: the process lives but answers nothing; pings find out."""
+    import subprocess
+    import sys
+
+    from scheduler_client.worker_client import WorkerClient
+
+    worker = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.daemon",
+            "--model",
+            str(target_dir),
+            "--device",
+            "cpu",
+            "--listen",
+            ipc_addr,
+            "--max-model-len",
+            "128",
+        ]
+    )
+    client = WorkerClient(ipc_addr, step_timeout_s=60, ping_interval_s=0.2, max_missed_pings=3)
+    try:
+        client.handshake(timeout_s=120)
+        assert client.ping().seq == 1
+        os.kill(worker.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied, match="missed 3 pings"):
+            client.ping(timeout_s=30)
+        assert time.monotonic() - t0 < 5
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(timeout=30)
+        client.close()
+
+
+EBNF = 'root ::= "ab" digits "!"\ndigits ::= [0-9] [0-9] [0-9]?'
+
+
+def test_ebnf_with_llguidance(eng: Engine) -> None:
+    (r,) = eng.generate([{"prompt": "ebnf", "max_tokens": 40, "structured": {"ebnf": EBNF}}])
+    assert r.error is None and re.fullmatch(r"ab[0-9]{2,3}!", r.text), (r.error, r.text)
+
+
+@pytest.fixture(scope="module")
+def xgr_engine(target_dir: Path, draft_dir: Path) -> Iterator[Engine]:
+    pytest.importorskip("xgrammar")
+    e = engine(target_dir, "draft_model", draft_dir, grammar_backend="xgrammar")
+    yield e
+    e.close()
+
+
+@pytest.mark.parametrize("schema", SCHEMAS, ids=["nested-enum-int", "array-pattern", "int-array"])
+def test_xgrammar_backend_json(xgr_engine: Engine, schema: dict[str, object]) -> None:
+    reqs = xgr_engine.generate(
+        [{"prompt": f"j{i}", "max_tokens": 200, "structured": {"json": schema}} for i in range(2)]
+    )
+    for r in reqs:
+        assert r.error is None and r.finish_reason == "stop", (r.error, r.text)
+        jsonschema.validate(json.loads(r.text), schema)
+
+
+def test_xgrammar_backend_regex_choice_ebnf(xgr_engine: Engine) -> None:
+    reqs = xgr_engine.generate(
+        [
+            {"prompt": "p", "max_tokens": 40, "structured": {"regex": r"[a-c]{3}-\d{2}"}},
+            {"prompt": "c", "max_tokens": 40, "structured": {"choice": ["left", "right"]}},
+            {"prompt": "e", "max_tokens": 40, "structured": {"ebnf": EBNF}},
+            {"prompt": "l", "max_tokens": 40, "structured": {"grammar": 'start: "x"'}},
+        ]
+    )
+    assert re.fullmatch(r"[a-c]{3}-\d{2}", reqs[0].text), reqs[0].text
+    assert reqs[1].text in ("left", "right")
+    assert re.fullmatch(r"ab[0-9]{2,3}!", reqs[2].text), reqs[2].text
+    assert reqs[3].finish_reason == "error" and "EBNF" in (reqs[3].error or "")
+    assert sum(r.metrics.num_grammar_invalid for r in reqs) > 0

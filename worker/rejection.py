@@ -25,7 +25,8 @@ class VerifyInput:
     draft_token_ids: [B, K] (entries past w_i are ignored); num_drafts: [B] (host list).
     draft_probs: [B, K, V] or None (one-hot drafts); an all-zero row means one-hot too.
     temperature, top_p: [B] float; top_k: [B] int; greedy: [B] bool.
-    uniforms: [B, K + 2] in [0, 1): K acceptance draws, one for the final sample, one spare.
+    uniforms: [B, K + 2] in [0, 1): request i accepts draft j with draw j and samples its final
+    token with draw num_drafts[i], so its randomness does not depend on the batch's widest draft.
     """
 
     logits: torch.Tensor
@@ -110,7 +111,8 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     # A residual of all zeros means p == q exactly there; then sampling from p is exact.
     empty = residual.sum(-1, keepdim=True) <= 0
     residual = torch.where(empty, p_at, residual)
-    final = sample_from(residual, inp.uniforms[:, k])  # [B]
+    # the draw right after the request's own drafts, so the batch's widest draft does not matter
+    final = sample_from(residual, inp.uniforms.gather(1, num_drafts[:, None]).squeeze(1))  # [B]
 
     num_accepted = torch.where(inp.greedy, greedy_accepted, sampled_accepted)
     sampled_row = torch.cat([drafts, drafts.new_zeros(b, 1)], dim=1)  # [B, K+1] accepted drafts

@@ -327,9 +327,12 @@ class ModelRunner:
         params = [self.states.sampling[batch.slots[i]] for i in batch.sample_idx]
         device = self.device
         k = batch.draft_token_ids.shape[1]
+        # A fixed number of draws per request and step, whatever the batch's widest draft: a
+        # seeded request's output must not depend on who shares its batch.
+        draws = self.max_num_draft_tokens + 2
         uniforms = torch.stack(
             [
-                torch.rand(k + 2, generator=p.generator, device=device)  # type: ignore[union-attr]
+                torch.rand(draws, generator=p.generator, device=device)[: k + 2]  # type: ignore[union-attr]
                 for p in params
             ]
         )
