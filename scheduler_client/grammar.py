@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -166,13 +167,75 @@ class LLGuidanceBackend:
         return LLGuidanceMatcher(m, self.eos_token_ids, self.vocab_size)
 
 
-class LLGuidanceMatcher:
-    def __init__(self, m: llguidance.LLMatcher, eos: tuple[int, ...], vocab_size: int) -> None:
-        self._m = m
+def token_row(tokens: tuple[int, ...], vocab_size: int) -> np.ndarray:
+    """A bitmask row [ceil(V/32)] that allows exactly ``tokens``."""
+    row = np.zeros((vocab_size + 31) // 32, np.int32)
+    for t in tokens:
+        row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+    return row
+
+
+class RowMatcher(ABC):
+    """What every backend's matcher shares: the row-filling walk over drafts (state after each,
+    then a rollback), EOS-only rows once the grammar has stopped, and the commit check. A backend
+    supplies the engine calls."""
+
+    def __init__(self, eos: tuple[int, ...], vocab_size: int) -> None:
         self._eos = eos
-        self._eos_row = np.zeros((vocab_size + 31) // 32, np.int32)
-        for t in eos:
-            self._eos_row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
+        self._eos_row = token_row(eos, vocab_size)
+
+    @property
+    @abstractmethod
+    def terminated(self) -> bool: ...
+
+    @property
+    def error(self) -> str:
+        return ""
+
+    @abstractmethod
+    def _consume(self, tokens: list[int]) -> int:
+        """Consume valid tokens, never past termination; returns how many rollback must undo."""
+
+    @abstractmethod
+    def _rollback(self, n: int) -> None: ...
+
+    @abstractmethod
+    def _fill(self, bitmask: np.ndarray, row: int) -> None:
+        """The live state's mask into ``bitmask[row]`` (never called after termination)."""
+
+    @abstractmethod
+    def _accept_one(self, token: int) -> bool: ...
+
+    def fill_rows(self, bitmask: np.ndarray, start_row: int, drafts: list[int]) -> None:
+        """Rows start_row .. start_row + len(drafts): row i is the state after drafts[:i]. The
+        drafts must have passed ``validate``. The matcher ends where it began."""
+        consumed = 0
+        try:
+            for i in range(len(drafts) + 1):
+                if self.terminated:
+                    bitmask[start_row + i] = self._eos_row
+                else:
+                    self._fill(bitmask, start_row + i)
+                if i < len(drafts):
+                    consumed += self._consume([drafts[i]])
+        finally:
+            if consumed:
+                self._rollback(consumed)
+
+    def forced_tokens(self, drafts: list[int], limit: int) -> list[int]:
+        return []
+
+    def accept(self, token: int) -> bool:
+        """Commit a sampled token. False: the grammar rejects it (the request must end)."""
+        if self.terminated:
+            return token in self._eos
+        return self._accept_one(token)
+
+
+class LLGuidanceMatcher(RowMatcher):
+    def __init__(self, m: llguidance.LLMatcher, eos: tuple[int, ...], vocab_size: int) -> None:
+        super().__init__(eos, vocab_size)
+        self._m = m
 
     @property
     def terminated(self) -> bool:
@@ -194,7 +257,6 @@ class LLGuidanceMatcher:
         return n
 
     def _consume(self, tokens: list[int]) -> int:
-        """Consume already-validated tokens; returns how many rollback must undo."""
         done = 0
         for t in tokens:
             if self.terminated:
@@ -204,22 +266,15 @@ class LLGuidanceMatcher:
             done += 1
         return done
 
-    def fill_rows(self, bitmask: np.ndarray, start_row: int, drafts: list[int]) -> None:
-        """Rows start_row .. start_row + len(drafts): row i is the state after drafts[:i]. The
-        drafts must have passed ``validate``. The matcher ends where it began."""
-        consumed = 0
-        try:
-            for i in range(len(drafts) + 1):
-                row = bitmask[start_row + i]
-                if self.terminated:
-                    row[:] = self._eos_row
-                else:
-                    llguidance.numpy.fill_next_token_bitmask(self._m, bitmask, start_row + i)
-                if i < len(drafts):
-                    consumed += self._consume([drafts[i]])
-        finally:
-            if consumed:
-                self._m.rollback(consumed)
+    def _rollback(self, n: int) -> None:
+        self._m.rollback(n)
+
+    def _fill(self, bitmask: np.ndarray, row: int) -> None:
+        llguidance.numpy.fill_next_token_bitmask(self._m, bitmask, row)
+
+    def _accept_one(self, token: int) -> bool:
+        # validate first: consuming an invalid token leaves llguidance in an error state
+        return bool(self._m.validate_tokens([token])) and bool(self._m.consume_token(token))
 
     def forced_tokens(self, drafts: list[int], limit: int) -> list[int]:
         """Tokens the grammar forces after ``drafts`` (validated), at most ``limit``."""
@@ -233,14 +288,6 @@ class LLGuidanceMatcher:
         finally:
             if consumed:
                 self._m.rollback(consumed)
-
-    def accept(self, token: int) -> bool:
-        """Commit a sampled token. False: the grammar rejects it (the request must end)."""
-        if self.terminated:
-            return token in self._eos
-        if not self._m.validate_tokens([token]):
-            return False
-        return bool(self._m.consume_token(token))
 
 
 class GrammarBackend(Protocol):

@@ -24,6 +24,7 @@ import numpy as np
 
 from scheduler_client.grammar import (
     GrammarError,
+    RowMatcher,
     StructuredSpec,
     _check_choice,
     _choice_regex,
@@ -128,7 +129,7 @@ class XGrammarBackend:
         )
 
 
-class XGrammarMatcher:
+class XGrammarMatcher(RowMatcher):
     def __init__(
         self,
         m: Any,
@@ -137,21 +138,14 @@ class XGrammarMatcher:
         row_filter: np.ndarray | None,
         forbidden: frozenset[int],
     ) -> None:
+        super().__init__(eos, vocab_size)
         self._m = m
-        self._eos = eos
         self._row_filter = row_filter
         self._forbidden = forbidden
-        self._eos_row = np.zeros((vocab_size + 31) // 32, np.int32)
-        for t in eos:
-            self._eos_row[t // 32] |= np.int32(np.uint32(1 << (t % 32)).view(np.int32))
 
     @property
     def terminated(self) -> bool:
         return bool(self._m.is_terminated())
-
-    @property
-    def error(self) -> str:
-        return ""
 
     def _consume(self, tokens: list[int]) -> int:
         done = 0
@@ -161,32 +155,20 @@ class XGrammarMatcher:
             done += 1
         return done
 
+    def _rollback(self, n: int) -> None:
+        self._m.rollback(n)
+
     def validate(self, tokens: list[int]) -> int:
+        """xgrammar has no dry run: consume what it accepts, then roll back."""
         n = self._consume(tokens)
         if n:
             self._m.rollback(n)
         return n
 
-    def fill_rows(self, bitmask: np.ndarray, start_row: int, drafts: list[int]) -> None:
-        consumed = 0
-        try:
-            for i in range(len(drafts) + 1):
-                if self.terminated:
-                    bitmask[start_row + i] = self._eos_row
-                else:
-                    self._m.fill_next_token_bitmask(bitmask, start_row + i)
-                    if self._row_filter is not None:
-                        bitmask[start_row + i] &= self._row_filter
-                if i < len(drafts):
-                    consumed += self._consume([drafts[i]])
-        finally:
-            if consumed:
-                self._m.rollback(consumed)
+    def _fill(self, bitmask: np.ndarray, row: int) -> None:
+        self._m.fill_next_token_bitmask(bitmask, row)
+        if self._row_filter is not None:
+            bitmask[row] &= self._row_filter
 
-    def forced_tokens(self, drafts: list[int], limit: int) -> list[int]:
-        return []
-
-    def accept(self, token: int) -> bool:
-        if self.terminated:
-            return token in self._eos
+    def _accept_one(self, token: int) -> bool:
         return token not in self._forbidden and bool(self._m.accept_token(token))

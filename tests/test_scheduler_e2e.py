@@ -6,6 +6,8 @@ import json
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -231,25 +233,27 @@ def test_worker_killed_mid_run_reports_within_two_seconds(target_dir: Path) -> N
         e.close()
 
 
-def test_specd_run_connects_to_a_running_worker(target_dir: Path, ipc_addr: str) -> None:
-    import subprocess
-    import sys
-
-    worker = subprocess.Popen(
+def start_worker(model: Path, addr: str) -> subprocess.Popen[bytes]:
+    """A worker we do not own through an Engine: the test drives and kills it."""
+    return subprocess.Popen(
         [
             sys.executable,
             "-m",
             "worker.daemon",
             "--model",
-            str(target_dir),
+            str(model),
             "--device",
             "cpu",
             "--listen",
-            ipc_addr,
+            addr,
             "--max-model-len",
             "128",
         ]
     )
+
+
+def test_specd_run_connects_to_a_running_worker(target_dir: Path, ipc_addr: str) -> None:
+    worker = start_worker(target_dir, ipc_addr)
     try:
         out = subprocess.run(
             [
@@ -285,26 +289,9 @@ def test_missed_pings_detect_a_frozen_worker_we_did_not_launch(
     target_dir: Path, ipc_addr: str
 ) -> None:
     """SIGSTOP: the process lives but answers nothing; pings find out."""
-    import subprocess
-    import sys
-
     from scheduler_client.worker_client import WorkerClient
 
-    worker = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker.daemon",
-            "--model",
-            str(target_dir),
-            "--device",
-            "cpu",
-            "--listen",
-            ipc_addr,
-            "--max-model-len",
-            "128",
-        ]
-    )
+    worker = start_worker(target_dir, ipc_addr)
     client = WorkerClient(ipc_addr, step_timeout_s=60, ping_interval_s=0.2, max_missed_pings=3)
     try:
         client.handshake(timeout_s=120)
