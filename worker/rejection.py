@@ -39,6 +39,8 @@ class VerifyInput:
     top_p: torch.Tensor
     greedy: torch.Tensor
     uniforms: torch.Tensor
+    all_greedy: bool = False  # host knowledge: skip the sampling path entirely
+    filtered: bool = True  # host knowledge: some row uses top-k or top-p
 
 
 @dataclass
@@ -82,11 +84,16 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     argmax = logits.argmax(-1)  # [B, K+1]
     greedy_match = (argmax[:, :k] == drafts) & valid & in_vocab
     greedy_accepted = greedy_match.int().cumprod(-1).sum(-1)  # [B]
+    if inp.all_greedy:
+        tokens = torch.where(pos <= greedy_accepted[:, None], argmax, torch.full_like(argmax, -1))
+        return VerifyOutput(output_token_ids=tokens, num_accepted=greedy_accepted)
 
     # Sampled rows.
     temp = torch.where(inp.greedy, torch.ones_like(inp.temperature), inp.temperature)
     rep = lambda t: t[:, None].expand(b, k + 1).reshape(-1)  # noqa: E731
-    p = probs_from_logits(logits.view(-1, vocab), rep(temp), rep(inp.top_k), rep(inp.top_p))
+    p = probs_from_logits(
+        logits.view(-1, vocab), rep(temp), rep(inp.top_k), rep(inp.top_p), inp.filtered
+    )
     p = p.view(b, k + 1, vocab)
     q = torch.zeros(b, k, vocab, device=device).scatter_(2, drafts[..., None], 1.0)
     if inp.draft_probs is not None:

@@ -347,6 +347,8 @@ class ModelRunner:
             top_p=torch.tensor([p.top_p for p in params], device=device),  # type: ignore[union-attr]
             greedy=torch.tensor([p.temperature == 0 for p in params], device=device),  # type: ignore[union-attr]
             uniforms=uniforms,
+            all_greedy=all(p.temperature == 0 for p in params),  # type: ignore[union-attr]
+            filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),  # type: ignore[union-attr]
         )
         out = verify(inp)
         return out.output_token_ids.cpu().numpy(), out.num_accepted.cpu().numpy()

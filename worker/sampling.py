@@ -20,15 +20,21 @@ def apply_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tens
 
 
 def probs_from_logits(
-    logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    filtered: bool = True,
 ) -> torch.Tensor:
     """Softmax of filtered, tempered logits. logits [R, V]; temperature, top_k, top_p [R].
 
     temperature must be > 0 here (greedy rows never come this way); top_k 0 and top_p 1 disable.
+    ``filtered`` False (known on the host) skips the sort when no row uses top-k or top-p; it is
+    never read from the device, which would be a hidden sync.
     """
     logits = logits / temperature[:, None]
     vocab = logits.shape[1]
-    if bool((top_k > 0).any()) or bool((top_p < 1.0).any()):
+    if filtered:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         rank = torch.arange(vocab, device=logits.device)[None, :]
         k = torch.where(top_k > 0, top_k, vocab)[:, None]

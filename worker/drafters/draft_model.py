@@ -89,9 +89,7 @@ class DraftModelDrafter(Drafter):
             active = [active[n] for n in still]
             step_slots = [slots[i] for i in active]
             starts = [int(self.num_computed[s]) for s in step_slots]
-            for n, s in enumerate(step_slots):
-                self.fed[s, j] = int(tokens[still[n]])
-                self.num_fed[s] = j + 1
+            for s in step_slots:
                 self.num_computed[s] += 1
             logits, _ = ex.forward(
                 tokens[still],
@@ -101,6 +99,12 @@ class DraftModelDrafter(Drafter):
                 [1] * len(step_slots),
                 torch.arange(len(step_slots), device=device),
             )
+        # What was fed back (drafts 0 .. w-2), read once per proposal for the next roll-back.
+        fed = out.cpu().numpy()
+        for i, w in enumerate(widths):
+            if w > 1:
+                self.fed[slots[i], : w - 1] = fed[i, : w - 1]
+            self.num_fed[slots[i]] = max(w - 1, 0)
         return Proposal(out, list(widths), probs)
 
     def _pick(
