@@ -47,6 +47,7 @@ class ModelExecutor:
             device=self.device,
         )
         self.backbone = model.get_decoder()
+        self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.lm_head = model.get_output_embeddings()
 
     @torch.inference_mode()
@@ -84,6 +85,10 @@ class ModelExecutor:
         out = self.backbone(
             input_ids=input_ids[None],
             position_ids=positions[None],
+            # An already-built 4D mask makes transformers skip its own mask work, which would
+            # otherwise scan position_ids for packed sequences (a host sync every forward).
+            # specd_attention never reads it: causality comes from specd_meta.
+            attention_mask=self._placeholder_mask,
             use_cache=False,
             specd_meta=meta,
         )
