@@ -13,6 +13,7 @@ hands, and runs the step loop in the calling thread.
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import subprocess
 import sys
@@ -30,6 +31,8 @@ from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 from scheduler_client.tokenizer import TokenizerInfo
 from scheduler_client.worker_client import StepRefused, WorkerClient, WorkerDied
+
+log = logging.getLogger("specd.scheduler")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,6 +55,9 @@ class EngineConfig:
     step_timeout_s: float = 300.0
     handshake_timeout_s: float = 600.0
     worker_log: str | None = None  # file for the launched worker's stderr; None: inherit
+    # After a worker death: relaunch it (when we launched it) or wait for a new one at worker_addr,
+    # then replay every in-flight request from prompt + committed tokens. 0 disables.
+    max_worker_restarts: int = 3
 
 
 class Engine:
@@ -59,8 +65,9 @@ class Engine:
         self.config = config
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        addr = config.worker_addr or self._launch()
-        self.client = WorkerClient(addr, proc=self.proc, step_timeout_s=config.step_timeout_s)
+        self.addr = config.worker_addr or self._launch()
+        self.client = WorkerClient(self.addr, proc=self.proc, step_timeout_s=config.step_timeout_s)
+        self.num_worker_restarts = 0
         try:
             ready = self.client.handshake(timeout_s=config.handshake_timeout_s)
             tok_dir = config.tokenizer or ready.tokenizer_path
@@ -90,7 +97,8 @@ class Engine:
 
     def _launch(self) -> str:
         c = self.config
-        self._tmp = tempfile.TemporaryDirectory(prefix="specd-")
+        if self._tmp is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="specd-")
         addr = f"ipc://{os.path.join(self._tmp.name, 'worker.sock')}"
         cmd = [
             sys.executable,
@@ -187,6 +195,9 @@ class Engine:
         try:
             result = self.client.step(sched)
         except WorkerDied as e:
+            if self.num_worker_restarts < self.config.max_worker_restarts:
+                self._recover(e)
+                return []
             self._fail_all(f"worker died: {e}")
             raise
         except StepRefused as e:
@@ -207,6 +218,33 @@ class Engine:
         if result.drafts is not None:
             self.scheduler.take_drafts(result.drafts)
         return failed + done
+
+    def _recover(self, cause: WorkerDied) -> None:
+        """A new worker (relaunched, or the next one to appear at worker_addr), a new handshake,
+        and every in-flight request queued again from its prompt plus committed tokens."""
+        log.warning("worker lost (%s): restarting and replaying in-flight requests", cause)
+        self.num_worker_restarts += 1
+        self.client.close()
+        if self.proc is not None:
+            if self.proc.poll() is None:
+                self.proc.kill()
+            self.proc.wait(timeout=30)
+            self._launch()
+        self.client = WorkerClient(
+            self.addr, proc=self.proc, step_timeout_s=self.config.step_timeout_s
+        )
+        try:
+            ready = self.client.handshake(timeout_s=self.config.handshake_timeout_s)
+        except WorkerDied as e:
+            self._fail_all(f"worker died and could not be replaced: {e}")
+            raise
+        if (ready.vocab_size, ready.eos_token_ids) != (
+            self.ready.vocab_size,
+            self.ready.eos_token_ids,
+        ):
+            self._fail_all("the replacement worker serves a different model")
+            raise WorkerDied("the replacement worker serves a different model")
+        self.scheduler.requeue_all()
 
     def _fail_all(self, message: str) -> None:
         for req in list(self.scheduler.requests.values()):

@@ -118,6 +118,22 @@ class Scheduler:
             return
         self._finish(req, "abort", None)
 
+    def requeue_all(self) -> None:
+        """The worker was replaced: it holds nothing. Every running request goes back to the front
+        of the queue, in order, to be replayed from its prompt plus committed tokens; grammar
+        matchers already stand at the committed state (drafts were always rolled back)."""
+        for req in reversed(self.running):
+            req.status = Status.WAITING
+            req.num_computed = 0
+            req.sent_to_worker = False
+            req.draft_ids = np.zeros(0, np.int32)
+            req.grammar_drafts = None
+            self.waiting.appendleft(req)
+        self.running = []
+        self.to_free, self.to_abort = [], []
+        self.inflight = {}
+        self.last_done_step = self.step_id - 1
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running or self.to_free or self.to_abort)
 

@@ -215,7 +215,7 @@ def test_stale_drafts_are_dropped_and_output_stays_constrained(target_dir: Path)
 
 
 def test_worker_killed_mid_run_reports_within_two_seconds(target_dir: Path) -> None:
-    e = engine(target_dir, "ngram")
+    e = engine(target_dir, "ngram", max_worker_restarts=0)
     try:
         reqs = [e.add_request("long", max_tokens=300, ignore_eos=True) for _ in range(3)]
         for _ in range(3):
@@ -347,3 +347,31 @@ def test_xgrammar_backend_regex_choice_ebnf(xgr_engine: Engine) -> None:
     assert re.fullmatch(r"ab[0-9]{2,3}!", reqs[2].text), reqs[2].text
     assert reqs[3].finish_reason == "error" and "EBNF" in (reqs[3].error or "")
     assert sum(r.metrics.num_grammar_invalid for r in reqs) > 0
+
+
+def test_kill_9_mid_run_restarts_the_worker_and_replays_identically(
+    target_dir: Path, draft_dir: Path
+) -> None:
+    """The scheduler is the source of truth: a killed worker is relaunched, every in-flight request
+    is replayed from prompt + committed tokens, and greedy outputs equal an uninterrupted run."""
+    batch = [
+        {"prompt": p, "max_tokens": 40, "ignore_eos": True, "num_speculative_tokens": i % 5}
+        for i, p in enumerate(prompts(5))
+    ] + [{"prompt": "j", "max_tokens": 200, "structured": {"json": SCHEMAS[1]}}]
+    with engine(target_dir, "draft_model", draft_dir) as e:
+        want = [(r.output_ids, r.text) for r in e.generate(batch)]
+    with engine(target_dir, "draft_model", draft_dir) as e:
+        reqs = [e.add_request(**r) for r in batch]
+        for _ in range(4):
+            e.step()
+        assert any(r.output_ids for r in reqs) and not all(r.finished for r in reqs)
+        assert e.proc is not None
+        old = e.proc.pid
+        os.kill(old, signal.SIGKILL)
+        t0 = time.monotonic()
+        e.step()  # notices the death, relaunches, requeues
+        assert e.num_worker_restarts == 1 and e.proc.pid != old
+        assert time.monotonic() - t0 < 30
+        e.run_until_done()
+        assert [(r.output_ids, r.text) for r in reqs] == want
+        assert all(r.error is None for r in reqs)
