@@ -61,6 +61,10 @@ class Codec:
         try:
             self._out[0] = self._encoder.encode((major, minor, msg))
             frames = self._out
+        except (TypeError, OverflowError) as e:
+            raise ProtocolError(
+                "bad_field", f"{type(msg).__name__} cannot be encoded: {e}"
+            ) from None
         finally:
             self._out = []
         size = sum(len(f) for f in frames)

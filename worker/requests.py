@@ -7,6 +7,7 @@ is in the target's cache; ``draft_token_ids`` holds the drafts proposed after th
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,11 +39,13 @@ class RequestStates:
     def __init__(
         self,
         *,
+        vocab_size: int,
         max_num_seqs: int,
         max_model_len: int,
         max_num_draft_tokens: int,
         device: torch.device,
     ) -> None:
+        self.vocab_size = vocab_size
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.device = device
@@ -91,11 +94,24 @@ class RequestStates:
                 f"outside 0..{max_num_draft_tokens}",
             )
         s = req.sampling
-        if s.temperature < 0 or not 0 < s.top_p <= 1 or s.top_k < 0:
+        if (
+            not (math.isfinite(s.temperature) and s.temperature >= 0)
+            or not 0 < s.top_p <= 1
+            or s.top_k < 0
+        ):
             raise WorkerRequestError(
                 req.req_id,
                 "bad_sampling",
-                f"request {req.req_id!r}: temperature must be >= 0, top_p in (0, 1], top_k >= 0",
+                f"request {req.req_id!r}: temperature must be finite and >= 0, top_p in (0, 1], "
+                "top_k >= 0",
+            )
+        ids = req.prompt_token_ids
+        if ids.min() < 0 or ids.max() >= self.vocab_size:
+            raise WorkerRequestError(
+                req.req_id,
+                "bad_token",
+                f"request {req.req_id!r}: prompt token ids must be in 0..{self.vocab_size - 1}, "
+                f"got {int(ids.min())}..{int(ids.max())}",
             )
         slot = self.free_slots.pop()
         self.slot_of[req.req_id] = slot

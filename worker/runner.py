@@ -70,6 +70,7 @@ class ModelRunner:
         self.vocab_size = target.vocab_size
         self.max_num_draft_tokens = max_num_draft_tokens
         self.states = RequestStates(
+            vocab_size=target.vocab_size,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_draft_tokens=max_num_draft_tokens,
