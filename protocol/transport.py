@@ -6,10 +6,13 @@ a DEALER. ``Channel`` pairs one socket with one ``Codec``. Addresses always come
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 
 import zmq
+import zmq.auth
+from zmq.auth.thread import ThreadAuthenticator
 
 from protocol.codec import DEFAULT_MAX_MESSAGE_BYTES, Buffer, Codec
 from protocol.errors import ProtocolError
@@ -18,12 +21,21 @@ from protocol.messages import Message
 
 @dataclass(frozen=True, kw_only=True)
 class TransportConfig:
-    """Socket limits shared by both ends."""
+    """Socket limits shared by both ends, and CURVE keys (required for ``tcp://``).
+
+    ``curve_secret_file``: this side's certificate from ``specd keygen`` (the ``.key_secret``
+    file). The worker (server) also takes ``curve_authorized_dir``: only clients whose public
+    certificate (``.key``) is in that folder are let in; others are refused and logged. A scheduler
+    (client) also takes ``curve_server_public_file``: the worker's public certificate.
+    """
 
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     send_timeout_ms: int = 5_000
     linger_ms: int = 0
     high_water_mark: int = 10_000
+    curve_secret_file: str | None = None
+    curve_authorized_dir: str | None = None
+    curve_server_public_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.max_message_bytes <= 0:
@@ -55,6 +67,7 @@ class Channel:
         self.config = config
         self.routed = routed
         self.codec = Codec(config.max_message_bytes)
+        self.authenticator: ThreadAuthenticator | None = None
         self._poller = zmq.Poller()
         self._poller.register(sock, zmq.POLLIN)
 
@@ -103,6 +116,9 @@ class Channel:
 
     def close(self) -> None:
         self.sock.close(linger=self.config.linger_ms)
+        if self.authenticator is not None:
+            self.authenticator.stop()
+            self.authenticator = None
 
 
 def _configure(sock: zmq.Socket[bytes], config: TransportConfig) -> None:
@@ -114,23 +130,90 @@ def _configure(sock: zmq.Socket[bytes], config: TransportConfig) -> None:
     sock.setsockopt(zmq.MAXMSGSIZE, config.max_message_bytes)
 
 
+class _RefusalsAsWarnings(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """pyzmq's authenticator logs refusals at debug level; an operator must see them."""
+
+    def debug(self, msg: object, *args: object, **kwargs: object) -> None:
+        text = str(msg) % args if args else str(msg)
+        if text.startswith("DENIED"):
+            self.logger.warning("refused a peer: %s", text)
+        else:
+            self.logger.debug("%s", text)
+
+
+def check_security(addr: str, config: TransportConfig, *, server: bool) -> bool:
+    """True when CURVE is configured; tcp:// without it is refused with what to do."""
+    has = config.curve_secret_file is not None
+    peer = config.curve_authorized_dir if server else config.curve_server_public_file
+    if has != (peer is not None):
+        what = "--curve-authorized DIR" if server else "--curve-server-public FILE"
+        raise ValueError(f"CURVE needs both --curve-secret FILE and {what}")
+    if addr.startswith("tcp://") and not has:
+        raise ValueError(
+            f"{addr} is tcp://: it needs CURVE keys (make them with `specd keygen DIR NAME`, then "
+            "pass --curve-secret and the peer's key); use ipc:// on one node"
+        )
+    return has
+
+
 def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], addr: str, config: TransportConfig) -> Channel:
-    """The worker's socket. An ``ipc://`` path is made owner-only."""
+    """The worker's socket. An ``ipc://`` path is made owner-only; tcp:// requires CURVE."""
+    validate_address(addr)
+    curve = check_security(addr, config, server=True)
+    authenticator = None
+    if curve:
+        assert config.curve_secret_file and config.curve_authorized_dir
+        public, secret = zmq.auth.load_certificate(config.curve_secret_file)
+        if secret is None:
+            raise ValueError(
+                f"{config.curve_secret_file} holds no secret key: pass the .key_secret file"
+            )
+        auth_log = _RefusalsAsWarnings(logging.getLogger("specd.auth"), {})
+        authenticator = ThreadAuthenticator(ctx, log=auth_log)
+        authenticator.start()
+        authenticator.configure_curve(domain="*", location=config.curve_authorized_dir)
     sock = ctx.socket(zmq.ROUTER)
     _configure(sock, config)
     # A send to a scheduler that went away raises instead of vanishing silently.
     sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-    sock.bind(validate_address(addr))
+    if curve:
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.curve_server = True
+    sock.bind(addr)
     if addr.startswith("ipc://"):
         os.chmod(addr[len("ipc://") :], 0o600)
-    return Channel(sock, config, routed=True)
+    chan = Channel(sock, config, routed=True)
+    chan.authenticator = authenticator
+    return chan
 
 
 def connect_dealer(
     ctx: zmq.Context[zmq.Socket[bytes]], addr: str, config: TransportConfig
 ) -> Channel:
-    """A scheduler's socket to one worker."""
+    """A scheduler's socket to one worker; tcp:// requires CURVE."""
+    validate_address(addr)
+    curve = check_security(addr, config, server=False)
     sock = ctx.socket(zmq.DEALER)
     _configure(sock, config)
-    sock.connect(validate_address(addr))
+    if curve:
+        assert config.curve_secret_file and config.curve_server_public_file
+        public, secret = zmq.auth.load_certificate(config.curve_secret_file)
+        if secret is None:
+            raise ValueError(
+                f"{config.curve_secret_file} holds no secret key: pass the .key_secret file"
+            )
+        server_public, _ = zmq.auth.load_certificate(config.curve_server_public_file)
+        sock.curve_publickey = public
+        sock.curve_secretkey = secret
+        sock.curve_serverkey = server_public
+    sock.connect(addr)
     return Channel(sock, config, routed=False)
+
+
+def keygen(directory: str, name: str) -> tuple[str, str]:
+    """Write a CURVE certificate pair ``NAME.key`` (public) and ``NAME.key_secret`` (owner-only)."""
+    os.makedirs(directory, exist_ok=True)
+    public, secret = zmq.auth.create_certificates(directory, name)
+    os.chmod(secret, 0o600)
+    return str(public), str(secret)

@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from protocol.transport import TransportConfig, keygen
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.request import Request
 from scheduler_client.scheduler import SchedulerConfig
@@ -72,6 +73,14 @@ DEMO = [
 
 def _engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
+        "--curve-secret",
+        default=None,
+        help="this scheduler's CURVE certificate (.key_secret) for a tcp:// worker",
+    )
+    ap.add_argument(
+        "--curve-server-public", default=None, help="the worker's public CURVE certificate (.key)"
+    )
+    ap.add_argument(
         "--worker",
         default=None,
         help="connect to a running worker at this address instead of launching one",
@@ -105,6 +114,9 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         worker_max_num_seqs=a.max_num_seqs,
         grammar_backend=a.grammar_backend,
         worker_log=a.worker_log,
+        transport=TransportConfig(
+            curve_secret_file=a.curve_secret, curve_server_public_file=a.curve_server_public
+        ),
         scheduler=SchedulerConfig(
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
@@ -156,10 +168,21 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--json-schema", help="file with a JSON schema the output must match")
     run.add_argument("--regex", help="regex the output must match")
     run.add_argument("--choice", nargs="+", help="the output must be one of these")
+    kg = sub.add_parser(
+        "keygen",
+        help="write a CURVE certificate pair DIR/NAME.key and "
+        "DIR/NAME.key_secret (for tcp:// between scheduler and worker)",
+    )
+    kg.add_argument("directory")
+    kg.add_argument("name")
     demo = sub.add_parser("demo", help="the `make run` demo on the embedded model")
     _engine_args(demo)
     a = ap.parse_args(argv)
 
+    if a.cmd == "keygen":
+        public, secret = keygen(a.directory, a.name)
+        print(f"public: {public}\nsecret: {secret} (keep it private; mode 600)")
+        return 0
     if a.cmd == "demo":
         requests = DEMO
         if a.device is None:

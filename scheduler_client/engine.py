@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any
 
 from protocol.messages import SamplingParams
+from protocol.transport import TransportConfig
 from scheduler_client.grammar import SpecKind, StructuredSpec, make_backend
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request
@@ -58,6 +59,8 @@ class EngineConfig:
     # After a worker death: relaunch it (when we launched it) or wait for a new one at worker_addr,
     # then replay every in-flight request from prompt + committed tokens. 0 disables.
     max_worker_restarts: int = 3
+    # CURVE keys for a tcp:// worker_addr (launched workers use ipc:// and need none)
+    transport: TransportConfig = field(default_factory=TransportConfig)
 
 
 class Engine:
@@ -66,7 +69,7 @@ class Engine:
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.addr = config.worker_addr or self._launch()
-        self.client = WorkerClient(self.addr, proc=self.proc, step_timeout_s=config.step_timeout_s)
+        self.client = self._client()
         self.num_worker_restarts = 0
         try:
             ready = self.client.handshake(timeout_s=config.handshake_timeout_s)
@@ -94,6 +97,14 @@ class Engine:
         self.ready = ready
         self._ids = itertools.count()
         self.started_s = time.monotonic()
+
+    def _client(self) -> WorkerClient:
+        return WorkerClient(
+            self.addr,
+            proc=self.proc,
+            step_timeout_s=self.config.step_timeout_s,
+            transport=self.config.transport,
+        )
 
     def _launch(self) -> str:
         c = self.config
@@ -230,9 +241,7 @@ class Engine:
                 self.proc.kill()
             self.proc.wait(timeout=30)
             self._launch()
-        self.client = WorkerClient(
-            self.addr, proc=self.proc, step_timeout_s=self.config.step_timeout_s
-        )
+        self.client = self._client()
         try:
             ready = self.client.handshake(timeout_s=self.config.handshake_timeout_s)
         except WorkerDied as e:

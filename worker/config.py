@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from protocol.transport import TransportConfig, check_security, validate_address
 from worker.model_loader import EMBEDDED_MODEL
 
 DRAFTERS = ("none", "ngram", "draft_model")
@@ -25,6 +26,13 @@ class WorkerConfig:
     max_model_len: int = 2048
     batch_invariant: str | None = None  # None: "pad" on CUDA, "off" on CPU
     log_level: str = "INFO"
+    curve_secret: str | None = None
+    curve_authorized: str | None = None
+
+    def transport(self) -> TransportConfig:
+        return TransportConfig(
+            curve_secret_file=self.curve_secret, curve_authorized_dir=self.curve_authorized
+        )
 
     def __post_init__(self) -> None:
         if self.drafter not in DRAFTERS:
@@ -47,9 +55,8 @@ class WorkerConfig:
             raise ValueError("--batch-invariant must be off, pad or pad-fp32")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError("--device must be cpu or cuda[:N]")
-        from protocol.transport import validate_address
-
         validate_address(self.listen)
+        check_security(self.listen, self.transport(), server=True)
 
 
 def parse_args(argv: list[str] | None) -> WorkerConfig:
@@ -98,6 +105,17 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         help="pad every forward to fixed shapes so drafts never change a token's "
         "arithmetic (default: pad on CUDA, off on CPU where float32 is exact anyway)",
     )
+    ap.add_argument(
+        "--curve-secret",
+        default=None,
+        help="this worker's CURVE certificate (.key_secret from `specd keygen`); "
+        "required for tcp://",
+    )
+    ap.add_argument(
+        "--curve-authorized",
+        default=None,
+        help="folder of the public certificates (.key) of schedulers allowed in",
+    )
     ap.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING or ERROR")
     a = ap.parse_args(argv)
     return WorkerConfig(
@@ -112,5 +130,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         dtype=a.dtype,
         max_num_seqs=a.max_num_seqs,
         max_model_len=a.max_model_len,
+        batch_invariant=a.batch_invariant,
         log_level=a.log_level,
+        curve_secret=a.curve_secret,
+        curve_authorized=a.curve_authorized,
     )

@@ -24,7 +24,6 @@ from protocol import (
     SchedulerHello,
     SchedulerOutput,
     Shutdown,
-    TransportConfig,
     WorkerError,
     WorkerReady,
     bind_router,
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
-        chan = bind_router(ctx, cfg.listen, TransportConfig())
+        chan = bind_router(ctx, cfg.listen, cfg.transport())
     except zmq.ZMQError as e:
         log.error("cannot bind %s: %s", cfg.listen, e)
         return EXIT_CONFIG
