@@ -17,7 +17,7 @@ from protocol.transport import TransportConfig, keygen
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.request import Request
 from scheduler_client.scheduler import SchedulerConfig
-from scheduler_client.worker_client import HandshakeError, WorkerDied
+from scheduler_client.worker_client import HandshakeError, WorkerClient, WorkerDied
 
 DEMO_SCHEMA = {
     "type": "object",
@@ -151,6 +151,32 @@ def _run(engine: Engine, requests: list[dict[str, Any]]) -> int:
     return 1 if any(r.error for r in done) else 0
 
 
+def _health(a: argparse.Namespace) -> int:
+    transport = TransportConfig(
+        curve_secret_file=a.curve_secret, curve_server_public_file=a.curve_server_public
+    )
+    client = WorkerClient(a.addr, transport=transport)
+    t0 = time.monotonic()
+    try:
+        pong = client.ping(timeout_s=a.timeout)
+    except WorkerDied as e:
+        print(json.dumps({"ok": False, "addr": a.addr, "error": str(e)}))
+        return 1
+    finally:
+        client.close()
+    print(
+        json.dumps(
+            {
+                "ok": True,
+                "addr": a.addr,
+                "num_steps": pong.num_steps,
+                "rtt_ms": round((time.monotonic() - t0) * 1e3, 2),
+            }
+        )
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(
         prog="specd",
@@ -175,10 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     )
     kg.add_argument("directory")
     kg.add_argument("name")
+    health = sub.add_parser(
+        "health", help="ping a worker through its step loop; exit 0 if it answers, 1 if not"
+    )
+    health.add_argument("addr")
+    health.add_argument("--timeout", type=float, default=5.0)
+    health.add_argument("--curve-secret", default=None)
+    health.add_argument("--curve-server-public", default=None)
     demo = sub.add_parser("demo", help="the `make run` demo on the embedded model")
     _engine_args(demo)
     a = ap.parse_args(argv)
 
+    if a.cmd == "health":
+        return _health(a)
     if a.cmd == "keygen":
         public, secret = keygen(a.directory, a.name)
         print(f"public: {public}\nsecret: {secret} (keep it private; mode 600)")

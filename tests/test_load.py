@@ -15,14 +15,27 @@ NUM_REQUESTS = int(os.environ.get("SPECD_LOAD_REQUESTS", "200"))
 
 def test_concurrent_requests_all_complete(tmp_path: Path) -> None:
     model = save_byte_model("llama", 41, tmp_path / "model")
-    cfg = EngineConfig(model=str(model), drafter="ngram", device="cpu", max_model_len=64,
-                       worker_max_num_seqs=32, step_timeout_s=60,
-                       scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024))
+    cfg = EngineConfig(
+        model=str(model),
+        drafter="ngram",
+        device="cpu",
+        max_model_len=64,
+        worker_max_num_seqs=32,
+        step_timeout_s=60,
+        scheduler=SchedulerConfig(max_num_seqs=32, max_num_batched_tokens=1024),
+    )
     with Engine(cfg) as e:
         t0 = time.monotonic()
-        reqs = [e.add_request(f"request {i % 10} says hi", max_tokens=4, ignore_eos=True,
-                              num_speculative_tokens=i % 3, req_id=f"load-{i}")
-                for i in range(NUM_REQUESTS)]
+        reqs = [
+            e.add_request(
+                f"request {i % 10} says hi",
+                max_tokens=4,
+                ignore_eos=True,
+                num_speculative_tokens=i % 3,
+                req_id=f"load-{i}",
+            )
+            for i in range(NUM_REQUESTS)
+        ]
         e.run_until_done()
         dt = time.monotonic() - t0
         assert len({r.req_id for r in reqs}) == NUM_REQUESTS

@@ -382,15 +382,22 @@ def test_stop_conditions_and_streaming(eng: Engine) -> None:
     assert free.finish_reason == "length" and len(free.output_ids) == 24
     # a stop string taken from the middle of the free run cuts the text right before it
     text = free.text
-    stop = next(text[i : i + 2] for i in range(4, len(text) - 2) if text[i : i + 2].isprintable()
-                and text.find(text[i : i + 2]) == i)
+    stop = next(
+        text[i : i + 2]
+        for i in range(4, len(text) - 2)
+        if text[i : i + 2].isprintable() and text.find(text[i : i + 2]) == i
+    )
     (cut,) = eng.generate([{"prompt": "abc", "max_tokens": 24, "ignore_eos": True, "stop": [stop]}])
     assert cut.finish_reason == "stop" and cut.text == text[: text.find(stop)]
     # a stop token id ends the request before that token
     t = free.output_ids[5]
-    (tok,) = eng.generate([{"prompt": "abc", "max_tokens": 24, "ignore_eos": True,
-                            "stop_token_ids": [t]}])
-    assert tok.finish_reason == "stop" and tok.output_ids == free.output_ids[: free.output_ids.index(t)]
+    (tok,) = eng.generate(
+        [{"prompt": "abc", "max_tokens": 24, "ignore_eos": True, "stop_token_ids": [t]}]
+    )
+    assert (
+        tok.finish_reason == "stop"
+        and tok.output_ids == free.output_ids[: free.output_ids.index(t)]
+    )
     # streaming yields the same text, piece by piece
     pieces = list(eng.stream("abc", max_tokens=24, ignore_eos=True))
     assert "".join(pieces) == text and len(pieces) > 1

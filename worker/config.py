@@ -26,6 +26,7 @@ class WorkerConfig:
     max_model_len: int = 2048
     batch_invariant: str | None = None  # None: "pad" on CUDA, "off" on CPU
     log_level: str = "INFO"
+    log_format: str = "text"
     curve_secret: str | None = None
     curve_authorized: str | None = None
 
@@ -51,6 +52,8 @@ class WorkerConfig:
             raise ValueError("--max-num-seqs must be >= 1 and --max-model-len >= 2")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be float32, bfloat16 or float16")
+        if self.log_format not in ("text", "json"):
+            raise ValueError("--log-format must be text or json")
         if self.batch_invariant not in (None, "off", "pad", "pad-fp32"):
             raise ValueError("--batch-invariant must be off, pad or pad-fp32")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
@@ -68,6 +71,11 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "3 model load failed.",
     )
     d = WorkerConfig()
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="a TOML file of these options (keys as flag names, - or _); flags win",
+    )
     ap.add_argument(
         "--model",
         default=d.model,
@@ -117,6 +125,15 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         help="folder of the public certificates (.key) of schedulers allowed in",
     )
     ap.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING or ERROR")
+    ap.add_argument(
+        "--log-format",
+        default=d.log_format,
+        choices=("text", "json"),
+        help="text lines, or one JSON object per line",
+    )
+    first = ap.parse_args(argv)
+    if first.config:
+        ap.set_defaults(**load_toml(first.config, ap))
     a = ap.parse_args(argv)
     return WorkerConfig(
         model=a.model,
@@ -132,6 +149,27 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         max_model_len=a.max_model_len,
         batch_invariant=a.batch_invariant,
         log_level=a.log_level,
+        log_format=a.log_format,
         curve_secret=a.curve_secret,
         curve_authorized=a.curve_authorized,
     )
+
+
+def load_toml(path: str, ap: argparse.ArgumentParser) -> dict[str, object]:
+    """Options from a TOML file, checked against the parser's flags (an unknown key is an error
+    that names it)."""
+    import tomllib
+
+    try:
+        with open(path, "rb") as f:
+            raw = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ValueError(f"cannot read config {path}: {e}") from None
+    known = {a.dest for a in ap._actions}
+    out: dict[str, object] = {}
+    for key, value in raw.items():
+        dest = key.replace("-", "_")
+        if dest not in known or dest in ("help", "config"):
+            raise ValueError(f"config {path}: unknown option {key!r}")
+        out[dest] = value
+    return out

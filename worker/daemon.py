@@ -7,6 +7,7 @@ logged, reported to the scheduler with ``fatal=True``, and the process exits 1).
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import sys
@@ -212,17 +213,36 @@ class WorkerLoop:
             log.warning("could not answer %r: %s", identity, e)
 
 
+class JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "ts": round(record.created, 3),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out)
+
+
+def setup_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(
+        JsonFormatter()
+        if fmt == "json"
+        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    )
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         cfg = parse_args(argv)
     except ValueError as e:
         print(f"specd-worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
-    logging.basicConfig(
-        level=cfg.log_level.upper(),
-        stream=sys.stderr,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    setup_logging(cfg.log_level, cfg.log_format)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         chan = bind_router(ctx, cfg.listen, cfg.transport())
@@ -245,7 +265,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, stop)
         log.info("serving on %s", cfg.listen)
         try:
-            return loop.serve()
+            code = loop.serve()
+            if loop.stopping and loop.peer is not None:
+                # Drained: the step in progress finished. In-flight requests are the scheduler's
+                # to replay; it hears so before the socket closes.
+                loop.reply(
+                    loop.peer,
+                    WorkerError(
+                        code="shutting_down",
+                        message="the worker was told to stop (signal)",
+                        fatal=True,
+                    ),
+                )
+            return code
         except Exception as e:
             log.exception("fatal error in the step loop")
             if loop.peer is not None:
