@@ -100,6 +100,12 @@ def _engine_args(ap: argparse.ArgumentParser) -> None:
         help="do not offer grammar-forced tokens as drafts",
     )
     ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
+    ap.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve the scheduler's Prometheus metrics on this port (0: off)",
+    )
 
 
 def _config(a: argparse.Namespace) -> EngineConfig:
@@ -114,6 +120,7 @@ def _config(a: argparse.Namespace) -> EngineConfig:
         worker_max_num_seqs=a.max_num_seqs,
         grammar_backend=a.grammar_backend,
         worker_log=a.worker_log,
+        metrics_port=a.metrics_port,
         transport=TransportConfig(
             curve_secret_file=a.curve_secret, curve_server_public_file=a.curve_server_public
         ),

@@ -28,6 +28,7 @@ from protocol.messages import SamplingParams
 from protocol.transport import TransportConfig
 from scheduler_client.grammar import SpecKind, StructuredSpec, make_backend
 from scheduler_client.metrics import RequestMetrics
+from scheduler_client.prom import SchedulerMetrics
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 from scheduler_client.tokenizer import TokenizerInfo
@@ -59,6 +60,7 @@ class EngineConfig:
     # After a worker death: relaunch it (when we launched it) or wait for a new one at worker_addr,
     # then replay every in-flight request from prompt + committed tokens. 0 disables.
     max_worker_restarts: int = 3
+    metrics_port: int = 0  # Prometheus endpoint of the scheduler (0: off)
     # CURVE keys for a tcp:// worker_addr (launched workers use ipc:// and need none)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
@@ -91,6 +93,10 @@ class Engine:
                 max_num_seqs=ready.max_num_seqs,
             )
             self.scheduler = Scheduler(config.scheduler, limits, self.tokenizer, grammar)
+            self.prom = SchedulerMetrics()
+            self.scheduler.on_finish = self.prom.record_finished
+            if config.metrics_port:
+                self.prom.serve(config.metrics_port)
         except BaseException:
             self.close()
             raise
@@ -200,6 +206,15 @@ class Engine:
     # -- the loop ---------------------------------------------------------------------------------
     def step(self) -> list[Request]:
         """One step; returns the requests that finished in it."""
+        t0 = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.prom.step_seconds.observe(time.perf_counter() - t0)
+            self.prom.queue_depth.set(len(self.scheduler.waiting))
+            self.prom.running.set(len(self.scheduler.running))
+
+    def _step(self) -> list[Request]:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
@@ -235,6 +250,7 @@ class Engine:
         and every in-flight request queued again from its prompt plus committed tokens."""
         log.warning("worker lost (%s): restarting and replaying in-flight requests", cause)
         self.num_worker_restarts += 1
+        self.prom.worker_restarts.inc()
         self.client.close()
         if self.proc is not None:
             if self.proc.poll() is None:

@@ -13,6 +13,7 @@ One step, in order: ``schedule()`` -> worker -> ``update(ModelRunnerOutput)`` ->
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,6 +74,7 @@ class Scheduler:
         self.last_done_step = -1
         self.inflight: dict[str, tuple[int, int]] = {}  # req_id -> (scheduled, drafts) this step
         self.metrics = RequestMetrics()
+        self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.words = (limits.vocab_size + 31) // 32
 
     # -- requests -------------------------------------------------------------------------------
@@ -153,6 +155,8 @@ class Scheduler:
         elif req in self.waiting:
             self.waiting.remove(req)
         self.metrics.merge(req.metrics)
+        if self.on_finish is not None:
+            self.on_finish(req)
 
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:

@@ -27,17 +27,36 @@ def test_toml_config_with_flags_winning(tmp_path: Path) -> None:
 
 
 def specd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "scheduler_client.cli", *args],
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "scheduler_client.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_health_json_logs_and_sigterm(tmp_path: Path, ipc_addr: str) -> None:
     model = save_tiny("llama", 4, tmp_path / "m")
     log = tmp_path / "w.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "worker.daemon", "--model", str(model),
-                                 "--device", "cpu", "--listen", ipc_addr, "--max-model-len", "64",
-                                 "--log-format", "json"], stderr=err)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker.daemon",
+                "--model",
+                str(model),
+                "--device",
+                "cpu",
+                "--listen",
+                ipc_addr,
+                "--max-model-len",
+                "64",
+                "--log-format",
+                "json",
+            ],
+            stderr=err,
+        )
     try:
         deadline = time.monotonic() + 120
         while True:
@@ -61,8 +80,15 @@ def test_health_json_logs_and_sigterm(tmp_path: Path, ipc_addr: str) -> None:
 
 def test_sigterm_mid_run_is_reported_to_the_scheduler(tmp_path: Path) -> None:
     model = save_byte_model("llama", 5, tmp_path / "m")
-    e = Engine(EngineConfig(model=str(model), device="cpu", max_model_len=128,
-                            max_worker_restarts=0, step_timeout_s=60))
+    e = Engine(
+        EngineConfig(
+            model=str(model),
+            device="cpu",
+            max_model_len=128,
+            max_worker_restarts=0,
+            step_timeout_s=60,
+        )
+    )
     try:
         reqs = [e.add_request("go", max_tokens=100, ignore_eos=True) for _ in range(2)]
         e.step()
@@ -76,3 +102,40 @@ def test_sigterm_mid_run_is_reported_to_the_scheduler(tmp_path: Path) -> None:
         assert all(r.finish_reason == "error" for r in reqs)
     finally:
         e.close()
+
+
+def scrape(port: int) -> dict[str, float]:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
+    from tests.test_security import free_port
+
+    model = save_byte_model("llama", 6, tmp_path / "m")
+    worker_port, sched_port = free_port(), free_port()
+    cfg = EngineConfig(model=str(model), device="cpu", max_model_len=128, step_timeout_s=60,
+                       worker_args=("--metrics-port", str(worker_port)), metrics_port=sched_port)
+    with Engine(cfg) as e:
+        reqs = e.generate([{"prompt": "abababababab", "max_tokens": 12, "ignore_eos": True}] * 3
+                          + [{"prompt": "x", "max_tokens": 40, "structured": {"choice": ["yes"]}}])
+        assert all(r.error is None for r in reqs)
+        w = scrape(worker_port)
+        s = scrape(sched_port)
+    assert w["specd_worker_steps_total"] > 0
+    assert w["specd_worker_sampled_tokens_total"] >= 36
+    assert w["specd_worker_draft_tokens_total"] > 0
+    assert w["specd_worker_step_seconds_count"] == w["specd_worker_steps_total"]
+    assert 'specd_worker_accepted_per_position_total{position="0"}' in w
+    assert s['specd_scheduler_requests_finished_total{reason="length"}'] == 3
+    assert s["specd_scheduler_output_tokens_total"] >= 36
+    assert s["specd_scheduler_draft_tokens_total"] == w["specd_worker_draft_tokens_total"]
+    assert s["specd_scheduler_queue_depth"] == 0
+    assert s["specd_scheduler_grammar_forced_drafts_total"] >= 0

@@ -27,6 +27,7 @@ class WorkerConfig:
     batch_invariant: str | None = None  # None: "pad" on CUDA, "off" on CPU
     log_level: str = "INFO"
     log_format: str = "text"
+    metrics_port: int = 0  # 0: no Prometheus endpoint
     curve_secret: str | None = None
     curve_authorized: str | None = None
 
@@ -52,6 +53,8 @@ class WorkerConfig:
             raise ValueError("--max-num-seqs must be >= 1 and --max-model-len >= 2")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be float32, bfloat16 or float16")
+        if not 0 <= self.metrics_port < 65536:
+            raise ValueError("--metrics-port must be 0 (off) or a TCP port")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
         if self.batch_invariant not in (None, "off", "pad", "pad-fp32"):
@@ -131,6 +134,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         choices=("text", "json"),
         help="text lines, or one JSON object per line",
     )
+    ap.add_argument(
+        "--metrics-port",
+        type=int,
+        default=d.metrics_port,
+        help="serve Prometheus metrics on this port (0: off)",
+    )
     first = ap.parse_args(argv)
     if first.config:
         ap.set_defaults(**load_toml(first.config, ap))
@@ -150,6 +159,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         batch_invariant=a.batch_invariant,
         log_level=a.log_level,
         log_format=a.log_format,
+        metrics_port=a.metrics_port,
         curve_secret=a.curve_secret,
         curve_authorized=a.curve_authorized,
     )

@@ -34,6 +34,7 @@ from worker.config import WorkerConfig, parse_args
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.ngram import NgramDrafter
+from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor
 from worker.model_loader import load_model
 from worker.runner import ModelRunner, StepError
@@ -114,7 +115,14 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
 class WorkerLoop:
     """Receives, dispatches and answers. ``peer`` is the identity of the scheduler that said hello."""
 
-    def __init__(self, chan: Channel, runner: ModelRunner, ready: WorkerReady) -> None:
+    def __init__(
+        self,
+        chan: Channel,
+        runner: ModelRunner,
+        ready: WorkerReady,
+        metrics: WorkerMetrics | None = None,
+    ) -> None:
+        self.metrics = metrics or WorkerMetrics()
         self.chan = chan
         self.runner = runner
         self.ready = ready
@@ -185,6 +193,7 @@ class WorkerLoop:
             )
 
     def step(self, identity: bytes, sched: SchedulerOutput) -> None:
+        t0 = time.perf_counter()
         try:
             out, rejected = self.runner.execute(sched)
         except StepError as e:
@@ -202,11 +211,14 @@ class WorkerLoop:
                 ),
             )
         self.reply(identity, out)
+        self.metrics.record_step(out, time.perf_counter() - t0, len(self.runner.states.slot_of))
         drafts = self.runner.take_draft_tokens()
         if drafts is not None:
             self.reply(identity, drafts)
 
     def reply(self, identity: bytes, msg: object) -> None:
+        if isinstance(msg, WorkerError):
+            self.metrics.errors.labels(code=msg.code).inc()
         try:
             self.chan.send(msg, identity)  # type: ignore[arg-type]
         except ProtocolError as e:
@@ -255,7 +267,11 @@ def main(argv: list[str] | None = None) -> int:
         except (OSError, ValueError) as e:
             log.error("model load failed: %s", e)
             return EXIT_LOAD
-        loop = WorkerLoop(chan, runner, ready)
+        metrics = WorkerMetrics()
+        if cfg.metrics_port:
+            metrics.serve(cfg.metrics_port)
+            log.info("Prometheus metrics on :%d/metrics", cfg.metrics_port)
+        loop = WorkerLoop(chan, runner, ready, metrics)
 
         def stop(signum: int, _frame: object) -> None:
             log.info("signal %d: stopping", signum)

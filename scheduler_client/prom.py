@@ -1,0 +1,81 @@
+"""The scheduler's Prometheus metrics (``EngineConfig.metrics_port``)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from scheduler_client.request import Request
+
+
+class SchedulerMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.step_seconds = Histogram(
+            "specd_scheduler_step_seconds",
+            "Wall time of one step, worker round trip included",
+            registry=r,
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self.queue_depth = Gauge("specd_scheduler_queue_depth", "Requests waiting", registry=r)
+        self.running = Gauge("specd_scheduler_running_requests", "Requests running", registry=r)
+        self.finished = Counter(
+            "specd_scheduler_requests_finished_total",
+            "Finished requests, by reason",
+            ["reason"],
+            registry=r,
+        )
+        self.tokens = Counter("specd_scheduler_output_tokens_total", "Tokens committed", registry=r)
+        self.drafts = Counter(
+            "specd_scheduler_drafts_total",
+            "Verifications that carried at least one draft",
+            registry=r,
+        )
+        self.draft_tokens = Counter(
+            "specd_scheduler_draft_tokens_total", "Drafts verified", registry=r
+        )
+        self.accepted = Counter(
+            "specd_scheduler_accepted_tokens_total", "Drafts accepted", registry=r
+        )
+        self.accepted_pos = Counter(
+            "specd_scheduler_accepted_per_position_total",
+            "Drafts accepted, by position",
+            ["position"],
+            registry=r,
+        )
+        self.grammar_invalid = Counter(
+            "specd_scheduler_grammar_invalid_drafts_total",
+            "Drafts dropped because the grammar forbids them",
+            registry=r,
+        )
+        self.forced = Counter(
+            "specd_scheduler_grammar_forced_drafts_total",
+            "Grammar-forced drafts offered",
+            registry=r,
+        )
+        self.stale = Counter(
+            "specd_scheduler_stale_draft_messages_total",
+            "Draft messages discarded for a wrong step or length",
+            registry=r,
+        )
+        self.worker_restarts = Counter(
+            "specd_scheduler_worker_restarts_total", "Workers replaced after a death", registry=r
+        )
+
+    def serve(self, port: int) -> None:
+        start_http_server(port, registry=self.registry)
+
+    def record_finished(self, req: Request) -> None:
+        """Fold a finished request's totals in (counted once, at the end)."""
+        m = req.metrics
+        self.finished.labels(reason=req.finish_reason or "unknown").inc()
+        self.tokens.inc(m.num_output_tokens)
+        self.drafts.inc(m.num_drafts)
+        self.draft_tokens.inc(m.num_draft_tokens)
+        self.accepted.inc(m.num_accepted)
+        for pos, n in enumerate(m.accepted_per_position):
+            if n:
+                self.accepted_pos.labels(position=str(pos)).inc(n)
+        self.grammar_invalid.inc(m.num_grammar_invalid)
+        self.forced.inc(m.num_forced)
+        self.stale.inc(m.num_stale)
