@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-fast lint format run bench bench-protocol image image-test bundle clean
+.PHONY: help setup test lint format run bench bench-protocol image image-test clean
 
 help:  ## list the tasks
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -39,6 +39,14 @@ bench-protocol: ## encode+send+recv+decode per message between two processes
 	$(PY) bench/protocol_bench.py
 
 bench: bench-protocol ## every CPU benchmark
+
+image: ## build the worker and scheduler images (BASE=... picks the worker's base image)
+	mkdir -p docker/.build/wheels && touch docker/.build/ca-bundle.crt
+	docker build --network host $(if $(BASE),--build-arg BASE=$(BASE)) -f docker/Dockerfile.worker -t specd-worker:latest .
+	docker build --network host $(if $(BASE),--build-arg BASE=$(BASE)) -f docker/Dockerfile.scheduler -t specd-scheduler:latest .
+
+image-test: ## build on a debootstrap base here and run a CPU generation through both containers
+	bash docker/image_test.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -222,7 +222,9 @@ class WorkerLoop:
         try:
             self.chan.send(msg, identity)  # type: ignore[arg-type]
         except ProtocolError as e:
-            log.warning("could not answer %r: %s", identity, e)
+            # A health check that gave up, or a scheduler that went away: nothing to repair here.
+            level = logging.INFO if e.code == "closed" else logging.WARNING
+            log.log(level, "could not answer %r: %s", identity, e)
 
 
 class JsonFormatter(logging.Formatter):
