@@ -121,11 +121,19 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
 
     model = save_byte_model("llama", 6, tmp_path / "m")
     worker_port, sched_port = free_port(), free_port()
-    cfg = EngineConfig(model=str(model), device="cpu", max_model_len=128, step_timeout_s=60,
-                       worker_args=("--metrics-port", str(worker_port)), metrics_port=sched_port)
+    cfg = EngineConfig(
+        model=str(model),
+        device="cpu",
+        max_model_len=128,
+        step_timeout_s=60,
+        worker_args=("--metrics-port", str(worker_port)),
+        metrics_port=sched_port,
+    )
     with Engine(cfg) as e:
-        reqs = e.generate([{"prompt": "abababababab", "max_tokens": 12, "ignore_eos": True}] * 3
-                          + [{"prompt": "x", "max_tokens": 40, "structured": {"choice": ["yes"]}}])
+        reqs = e.generate(
+            [{"prompt": "abababababab", "max_tokens": 12, "ignore_eos": True}] * 3
+            + [{"prompt": "x", "max_tokens": 40, "structured": {"choice": ["yes"]}}]
+        )
         assert all(r.error is None for r in reqs)
         w = scrape(worker_port)
         s = scrape(sched_port)
@@ -139,3 +147,57 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     assert s["specd_scheduler_draft_tokens_total"] == w["specd_worker_draft_tokens_total"]
     assert s["specd_scheduler_queue_depth"] == 0
     assert s["specd_scheduler_grammar_forced_drafts_total"] >= 0
+
+
+def test_worker_frees_requests_of_a_dead_scheduler(tmp_path: Path) -> None:
+    """The scheduler is killed (its requests stay on the worker); after --peer-timeout of silence
+    the worker frees them, and a new scheduler gets every slot."""
+    from tests.test_security import free_port
+
+    model = save_byte_model("llama", 7, tmp_path / "m")
+    port = free_port()
+    addr = f"ipc://{tmp_path}/w.sock"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "worker.daemon",
+            "--model",
+            str(model),
+            "--device",
+            "cpu",
+            "--listen",
+            addr,
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "2",
+            "--peer-timeout",
+            "1",
+            "--metrics-port",
+            str(port),
+        ]
+    )
+    try:
+        script = (
+            "from scheduler_client import Engine, EngineConfig\n"
+            f"e = Engine(EngineConfig(worker_addr={addr!r}, handshake_timeout_s=120))\n"
+            "[e.add_request('x', max_tokens=100, ignore_eos=True) for _ in range(2)]\n"
+            "e.step(); e.step(); print('stepped', flush=True)\n"
+            "import os; os._exit(9)\n"  # dies without a word to the worker
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", script], capture_output=True, text=True, timeout=180
+        )
+        assert "stepped" in out.stdout, out.stderr
+        assert scrape(port)["specd_worker_running_requests"] == 2
+        deadline = time.monotonic() + 30
+        while scrape(port)["specd_worker_running_requests"] != 0:
+            assert time.monotonic() < deadline, "requests of the dead scheduler were never freed"
+            time.sleep(0.3)
+        with Engine(EngineConfig(worker_addr=addr, handshake_timeout_s=60)) as e:
+            reqs = e.generate([{"prompt": "y", "max_tokens": 3, "ignore_eos": True}] * 2)
+            assert all(r.error is None for r in reqs)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

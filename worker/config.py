@@ -28,6 +28,7 @@ class WorkerConfig:
     log_level: str = "INFO"
     log_format: str = "text"
     metrics_port: int = 0  # 0: no Prometheus endpoint
+    peer_timeout_s: float = 60.0
     curve_secret: str | None = None
     curve_authorized: str | None = None
 
@@ -53,6 +54,8 @@ class WorkerConfig:
             raise ValueError("--max-num-seqs must be >= 1 and --max-model-len >= 2")
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be float32, bfloat16 or float16")
+        if self.peer_timeout_s <= 0:
+            raise ValueError("--peer-timeout must be positive")
         if not 0 <= self.metrics_port < 65536:
             raise ValueError("--metrics-port must be 0 (off) or a TCP port")
         if self.log_format not in ("text", "json"):
@@ -140,6 +143,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         default=d.metrics_port,
         help="serve Prometheus metrics on this port (0: off)",
     )
+    ap.add_argument(
+        "--peer-timeout",
+        type=float,
+        default=d.peer_timeout_s,
+        help="seconds of silence from a scheduler holding requests before they are "
+        "freed (the scheduler is taken for dead)",
+    )
     first = ap.parse_args(argv)
     if first.config:
         ap.set_defaults(**load_toml(first.config, ap))
@@ -160,6 +170,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         log_level=a.log_level,
         log_format=a.log_format,
         metrics_port=a.metrics_port,
+        peer_timeout_s=a.peer_timeout,
         curve_secret=a.curve_secret,
         curve_authorized=a.curve_authorized,
     )

@@ -121,8 +121,11 @@ class WorkerLoop:
         runner: ModelRunner,
         ready: WorkerReady,
         metrics: WorkerMetrics | None = None,
+        peer_timeout_s: float = 60.0,
     ) -> None:
         self.metrics = metrics or WorkerMetrics()
+        self.peer_timeout_s = peer_timeout_s
+        self.peer_seen = 0.0
         self.chan = chan
         self.runner = runner
         self.ready = ready
@@ -134,8 +137,11 @@ class WorkerLoop:
         while not self.stopping:
             frames = self.chan.recv_frames(timeout_ms=200)
             if frames is None:
+                self.check_peer()
                 continue
             identity = frames[0].bytes
+            if identity == self.peer:
+                self.peer_seen = time.monotonic()
             try:
                 msg = self.chan.codec.decode([f.buffer for f in frames[1:]])
             except ProtocolError as e:
@@ -148,6 +154,21 @@ class WorkerLoop:
                 return EXIT_OK
             self.dispatch(identity, msg)
         return EXIT_OK
+
+    def check_peer(self) -> None:
+        """A scheduler that holds requests keeps sending steps. Silence past the timeout means it
+        died: free every request so the slots and KV serve the next scheduler."""
+        if self.peer is None or not self.runner.states.slot_of:
+            return
+        if time.monotonic() - self.peer_seen > self.peer_timeout_s:
+            log.warning(
+                "scheduler silent for %.0f s with %d requests: freeing them",
+                self.peer_timeout_s,
+                len(self.runner.states.slot_of),
+            )
+            self.runner.reset()
+            self.metrics.running.set(0)
+            self.peer = None
 
     def dispatch(self, identity: bytes, msg: object) -> None:
         if isinstance(msg, SchedulerHello):
@@ -167,6 +188,7 @@ class WorkerLoop:
                 )
                 self.runner.reset()
             self.peer = identity
+            self.peer_seen = time.monotonic()
             self.reply(identity, self.ready)
         elif isinstance(msg, Ping):
             # Answered from the step loop itself, between steps: a pong proves the loop is alive.
@@ -273,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
             log.info("Prometheus metrics on :%d/metrics", cfg.metrics_port)
-        loop = WorkerLoop(chan, runner, ready, metrics)
+        loop = WorkerLoop(chan, runner, ready, metrics, peer_timeout_s=cfg.peer_timeout_s)
 
         def stop(signum: int, _frame: object) -> None:
             log.info("signal %d: stopping", signum)
