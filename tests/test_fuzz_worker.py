@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from collections.abc import Iterator
 
 import msgspec
@@ -34,6 +33,7 @@ from protocol import (
 from protocol.codec import Codec
 from protocol.transport import Channel
 from tests.models import save_tiny
+from tests.procs import start_worker
 from tests.wire_samples import all_messages
 
 EXAMPLES = int(os.environ.get("SPECD_FUZZ_EXAMPLES", "2000"))
@@ -154,24 +154,8 @@ def worker(
 ) -> Iterator[tuple[subprocess.Popen[bytes], Channel]]:
     model = save_tiny("llama", 3, tmp_path_factory.mktemp("fuzz-model"))
     addr = f"ipc://{tmp_path_factory.mktemp('fuzz-sock')}/w.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker.daemon",
-            "--model",
-            str(model),
-            "--device",
-            "cpu",
-            "--listen",
-            addr,
-            "--max-num-seqs",
-            "4",
-            "--max-model-len",
-            "64",
-            "--log-level",
-            "ERROR",
-        ]
+    proc = start_worker(
+        str(model), addr, "--max-num-seqs", "4", "--max-model-len", "64", "--log-level", "ERROR"
     )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     chan = connect_dealer(ctx, addr, TransportConfig(send_timeout_ms=10_000))

@@ -13,6 +13,7 @@ import pytest
 
 from scheduler_client import Engine, EngineConfig, WorkerDied
 from tests.models import save_byte_model, save_tiny
+from tests.procs import free_port, start_worker
 from worker.config import parse_args
 
 
@@ -39,23 +40,8 @@ def test_health_json_logs_and_sigterm(tmp_path: Path, ipc_addr: str) -> None:
     model = save_tiny("llama", 4, tmp_path / "m")
     log = tmp_path / "w.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "worker.daemon",
-                "--model",
-                str(model),
-                "--device",
-                "cpu",
-                "--listen",
-                ipc_addr,
-                "--max-model-len",
-                "64",
-                "--log-format",
-                "json",
-            ],
-            stderr=err,
+        proc = start_worker(
+            str(model), ipc_addr, "--max-model-len", "64", "--log-format", "json", stderr=err
         )
     try:
         deadline = time.monotonic() + 120
@@ -117,8 +103,6 @@ def scrape(port: int) -> dict[str, float]:
 
 
 def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
-    from tests.test_security import free_port
-
     model = save_byte_model("llama", 6, tmp_path / "m")
     worker_port, sched_port = free_port(), free_port()
     cfg = EngineConfig(
@@ -152,31 +136,20 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
 def test_worker_frees_requests_of_a_dead_scheduler(tmp_path: Path) -> None:
     """The scheduler is killed (its requests stay on the worker); after --peer-timeout of silence
     the worker frees them, and a new scheduler gets every slot."""
-    from tests.test_security import free_port
-
     model = save_byte_model("llama", 7, tmp_path / "m")
     port = free_port()
     addr = f"ipc://{tmp_path}/w.sock"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker.daemon",
-            "--model",
-            str(model),
-            "--device",
-            "cpu",
-            "--listen",
-            addr,
-            "--max-model-len",
-            "128",
-            "--max-num-seqs",
-            "2",
-            "--peer-timeout",
-            "1",
-            "--metrics-port",
-            str(port),
-        ]
+    proc = start_worker(
+        str(model),
+        addr,
+        "--max-model-len",
+        "128",
+        "--max-num-seqs",
+        "2",
+        "--peer-timeout",
+        "1",
+        "--metrics-port",
+        str(port),
     )
     try:
         script = (

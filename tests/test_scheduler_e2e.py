@@ -17,6 +17,7 @@ import pytest
 
 from scheduler_client import Engine, EngineConfig, SchedulerConfig, WorkerDied
 from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_model
+from tests.procs import start_worker
 
 SEED = 31
 
@@ -231,25 +232,6 @@ def test_worker_killed_mid_run_reports_within_two_seconds(target_dir: Path) -> N
         assert all(r.finish_reason == "error" and "worker died" in (r.error or "") for r in reqs)
     finally:
         e.close()
-
-
-def start_worker(model: Path, addr: str) -> subprocess.Popen[bytes]:
-    """A worker we do not own through an Engine: the test drives and kills it."""
-    return subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker.daemon",
-            "--model",
-            str(model),
-            "--device",
-            "cpu",
-            "--listen",
-            addr,
-            "--max-model-len",
-            "128",
-        ]
-    )
 
 
 def test_specd_run_connects_to_a_running_worker(target_dir: Path, ipc_addr: str) -> None:

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,13 +10,8 @@ from protocol import TransportConfig
 from protocol.transport import check_security, keygen
 from scheduler_client.worker_client import WorkerClient, WorkerDied
 from tests.models import save_tiny
+from tests.procs import free_port, start_worker
 from worker.config import WorkerConfig, parse_args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_tcp_without_curve_is_refused_at_start() -> None:
@@ -101,24 +93,15 @@ def test_curve_lets_the_right_key_in_and_refuses_others(tmp_path: Path) -> None:
     addr = f"tcp://127.0.0.1:{free_port()}"
     log = tmp_path / "worker.log"
     with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "worker.daemon",
-                "--model",
-                str(model),
-                "--device",
-                "cpu",
-                "--listen",
-                addr,
-                "--max-model-len",
-                "64",
-                "--curve-secret",
-                worker_secret,
-                "--curve-authorized",
-                str(authorized),
-            ],
+        proc = start_worker(
+            str(model),
+            addr,
+            "--max-model-len",
+            "64",
+            "--curve-secret",
+            worker_secret,
+            "--curve-authorized",
+            str(authorized),
             stderr=err,
         )
     try:

@@ -29,6 +29,7 @@ from protocol import (
 )
 from protocol.transport import Channel
 from tests.models import greedy_reference, reference_copy, save_tiny, tiny_model
+from tests.procs import start_worker
 
 
 @pytest.fixture(scope="module")
@@ -38,26 +39,17 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def worker(model_dir: Path, ipc_addr: str) -> Iterator[tuple[subprocess.Popen[bytes], Channel]]:
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "worker.daemon",
-            "--model",
-            str(model_dir),
-            "--device",
-            "cpu",
-            "--drafter",
-            "ngram",
-            "--num-speculative-tokens",
-            "3",
-            "--listen",
-            ipc_addr,
-            "--max-num-seqs",
-            "4",
-            "--max-model-len",
-            "64",
-        ],
+    proc = start_worker(
+        str(model_dir),
+        ipc_addr,
+        "--drafter",
+        "ngram",
+        "--num-speculative-tokens",
+        "3",
+        "--max-num-seqs",
+        "4",
+        "--max-model-len",
+        "64",
     )
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     chan = connect_dealer(ctx, ipc_addr, TransportConfig(send_timeout_ms=60_000))
