@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from protocol.transport import TransportConfig, keygen
+from scheduler_client.bench_serve import main_bench_serve
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.request import Request
 from scheduler_client.scheduler import SchedulerConfig
@@ -208,6 +209,22 @@ def main(argv: list[str] | None = None) -> int:
     )
     kg.add_argument("directory")
     kg.add_argument("name")
+    bs = sub.add_parser(
+        "bench-serve",
+        help="replay a JSONL workload at a request rate; report latency percentiles, throughput "
+        "and acceptance",
+    )
+    _engine_args(bs)
+    bs.add_argument("--file", required=True, help="JSONL of Engine.add_request arguments")
+    bs.add_argument(
+        "--rate",
+        type=float,
+        default=float("inf"),
+        help="requests per second, Poisson arrivals (default: all at once)",
+    )
+    bs.add_argument(
+        "--num-requests", type=int, default=None, help="cycle the file to this many requests"
+    )
     health = sub.add_parser(
         "health", help="ping a worker through its step loop; exit 0 if it answers, 1 if not"
     )
@@ -225,6 +242,13 @@ def main(argv: list[str] | None = None) -> int:
         public, secret = keygen(a.directory, a.name)
         print(f"public: {public}\nsecret: {secret} (keep it private; mode 600)")
         return 0
+    if a.cmd == "bench-serve":
+        try:
+            with Engine(_config(a)) as engine:
+                return main_bench_serve(engine, a.file, a.rate, a.num_requests)
+        except (WorkerDied, HandshakeError, FileNotFoundError, ValueError) as e:
+            print(f"specd: {e}", file=sys.stderr)
+            return 2
     if a.cmd == "demo":
         requests = DEMO
         if a.device is None:

@@ -174,3 +174,40 @@ def test_worker_frees_requests_of_a_dead_scheduler(tmp_path: Path) -> None:
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_bench_serve_reports_latency_and_throughput(tmp_path: Path) -> None:
+    model = save_byte_model("llama", 8, tmp_path / "m")
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(
+        "\n".join(
+            json.dumps(r)
+            for r in [
+                {"prompt": "abcabcabc", "max_tokens": 6, "ignore_eos": True},
+                {"prompt": "hello", "max_tokens": 4, "ignore_eos": True},
+                {"prompt": "q", "max_tokens": 30, "structured": {"choice": ["yes", "no"]}},
+            ]
+        )
+        + "\n"
+    )
+    out = specd(
+        "bench-serve",
+        "--model",
+        str(model),
+        "--device",
+        "cpu",
+        "--max-model-len",
+        "128",
+        "--file",
+        str(workload),
+        "--num-requests",
+        "12",
+        "--rate",
+        "40",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["requests"] == 12 and report["errors"] == 0
+    assert report["ttft"]["p50_ms"] > 0 and report["e2e"]["p99_ms"] >= report["e2e"]["p50_ms"]
+    assert report["throughput_rps"] > 0 and report["spec"]["output_tokens"] > 0
+    assert "12/12 finished" in out.stderr
