@@ -72,7 +72,7 @@ def bench_serve(
         "requests": len(sent),
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
-        "rate_rps": rate,
+        "rate_rps": rate if rate != float("inf") else "all at once",
         "wall_s": round(wall, 2),
         "throughput_rps": round(len(sent) / wall, 2),
         "throughput_tok_s": round(tokens / wall, 2),
