@@ -156,6 +156,13 @@ def check_security(addr: str, config: TransportConfig, *, server: bool) -> bool:
     return has
 
 
+def _load_secret(path: str) -> tuple[bytes, bytes]:
+    public, secret = zmq.auth.load_certificate(path)
+    if secret is None:
+        raise ValueError(f"{path} holds no secret key: pass the .key_secret file")
+    return public, secret
+
+
 def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], addr: str, config: TransportConfig) -> Channel:
     """The worker's socket. An ``ipc://`` path is made owner-only; tcp:// requires CURVE."""
     validate_address(addr)
@@ -163,11 +170,7 @@ def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], addr: str, config: Transpor
     authenticator = None
     if curve:
         assert config.curve_secret_file and config.curve_authorized_dir
-        public, secret = zmq.auth.load_certificate(config.curve_secret_file)
-        if secret is None:
-            raise ValueError(
-                f"{config.curve_secret_file} holds no secret key: pass the .key_secret file"
-            )
+        public, secret = _load_secret(config.curve_secret_file)
         auth_log = _RefusalsAsWarnings(logging.getLogger("specd.auth"), {})
         authenticator = ThreadAuthenticator(ctx, log=auth_log)
         authenticator.start()
@@ -198,11 +201,7 @@ def connect_dealer(
     _configure(sock, config)
     if curve:
         assert config.curve_secret_file and config.curve_server_public_file
-        public, secret = zmq.auth.load_certificate(config.curve_secret_file)
-        if secret is None:
-            raise ValueError(
-                f"{config.curve_secret_file} holds no secret key: pass the .key_secret file"
-            )
+        public, secret = _load_secret(config.curve_secret_file)
         server_public, _ = zmq.auth.load_certificate(config.curve_server_public_file)
         sock.curve_publickey = public
         sock.curve_secretkey = secret
