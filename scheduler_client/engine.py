@@ -232,6 +232,8 @@ class Engine:
             names = [e.err.req_id] if e.err.req_id else list(sched.req_ids)
             for req_id in names:
                 self.scheduler.fail(req_id, str(e))
+            # the worker keeps nothing of a refused step: its other new requests start over
+            self.scheduler.unsend([r.req_id for r in sched.new_requests if r.req_id not in names])
             self.scheduler.step_id = sched.step_id + 1
             self.scheduler.last_done_step = sched.step_id
             return [self.scheduler.requests[r] for r in names if r in self.scheduler.requests]

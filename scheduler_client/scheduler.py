@@ -120,6 +120,19 @@ class Scheduler:
             return
         self._finish(req, "abort", None)
 
+    def unsend(self, req_ids: list[str]) -> None:
+        """The worker refused the step that brought these requests and kept none of them: they go
+        back to the front of the queue, as if never sent."""
+        for req_id in reversed(req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.finished or req not in self.running:
+                continue
+            self.running.remove(req)
+            req.status = Status.WAITING
+            req.num_computed = 0
+            req.sent_to_worker = False
+            self.waiting.appendleft(req)
+
     def requeue_all(self) -> None:
         """The worker was replaced: it holds nothing. Every running request goes back to the front
         of the queue, in order, to be replayed from its prompt plus committed tokens; grammar

@@ -171,3 +171,46 @@ def test_seeded_output_does_not_depend_on_batch_neighbours() -> None:
         ],
     )["s"]
     assert alone == crowd
+
+
+def test_a_refused_step_leaves_nothing_behind() -> None:
+    """Bad bitmask layouts are refused before the forward, and the step's new requests leave."""
+    import numpy as np
+
+    from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
+    from worker.runner import StepError
+
+    runner = make_runner(tiny_model("llama", seed=3), "none", "llama", max_num_seqs=2)
+    words = (VOCAB + 31) // 32
+
+    def step(cu: list[int] | None, mask_rows: int, width: int = words) -> SchedulerOutput:
+        return SchedulerOutput(
+            step_id=1,
+            req_ids=["a", "b"],
+            new_requests=[
+                NewRequest(r, np.array([5, 6, 7], np.int32), SamplingParams(), 0, True)
+                for r in ("a", "b")
+            ],
+            num_scheduled_tokens=np.array([3, 3], np.int32),
+            num_draft_tokens=np.zeros(2, np.int32),
+            draft_token_ids=np.zeros(0, np.int32),
+            finished_req_ids=[],
+            aborted_req_ids=[],
+            structured_req_ids=["a"],
+            cu_bitmask_rows=None if cu is None else np.array(cu, np.int32),
+            grammar_bitmask=np.full((mask_rows, width), -1, np.int32) if mask_rows else None,
+        )
+
+    for bad, code in [
+        (step([0, 2], 2), "width_mismatch"),
+        (step([0, 5], 1), "bad_step"),
+        (step([0, 1], 0), "bad_step"),
+        (step([0, 1], 1, width=1), "bad_step"),
+        (step(None, 1), "bad_step"),
+    ]:
+        with pytest.raises(StepError) as info:
+            runner.execute(bad)
+        assert info.value.code == code
+        assert not runner.states.slot_of, "a refused step must not keep its new requests"
+    out, _ = runner.execute(step([0, 1], 1))
+    assert out.num_sampled.tolist() == [1, 1]

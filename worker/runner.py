@@ -91,6 +91,7 @@ class ModelRunner:
         rejected = self.update_requests(sched)
         try:
             batch = self.prepare(sched, {e.req_id for e in rejected})
+            grammar_plan = self.plan_grammar(sched, batch)
         except StepError:
             # Nothing of a refused step stays applied: its new requests leave again.
             for req in sched.new_requests:
@@ -110,7 +111,7 @@ class ModelRunner:
             batch.num_scheduled,
             batch.logits_indices,
         )  # logits [num_logit_rows, vocab]
-        self.apply_grammar(sched, batch, logits)
+        self.apply_grammar(sched, grammar_plan, logits)
         tokens, num_accepted = self.accept(sched, batch, logits)
         num_sampled = self.commit(batch, tokens, num_accepted)
         self.propose_drafts(batch)
@@ -276,15 +277,30 @@ class ModelRunner:
             own_drafts=own,
         )
 
-    def apply_grammar(self, sched: SchedulerOutput, batch: StepBatch, logits: torch.Tensor) -> None:
-        """Each structured request's bitmask rows go onto exactly its own logit rows."""
-        if sched.grammar_bitmask is None or not sched.structured_req_ids:
-            return
-        cu = sched.cu_bitmask_rows
-        if cu is None or len(cu) != len(sched.structured_req_ids) + 1:
+    def plan_grammar(self, sched: SchedulerOutput, batch: StepBatch) -> tuple[list[int], list[int]]:
+        """Check the bitmask layout before anything runs; returns (logit rows, bitmask rows): each
+        structured request's rows go onto exactly its own logit rows."""
+        if not sched.structured_req_ids:
+            return [], []
+        cu, bitmask = sched.cu_bitmask_rows, sched.grammar_bitmask
+        words = (self.vocab_size + 31) // 32
+        if bitmask is None or bitmask.ndim != 2 or bitmask.shape[1] != words:
             raise StepError(
                 "bad_step",
-                f"step {sched.step_id}: cu_bitmask_rows must have "
+                f"step {sched.step_id}: grammar_bitmask must be int32 "
+                f"[rows, {words}] for structured requests",
+            )
+        if (
+            cu is None
+            or len(cu) != len(sched.structured_req_ids) + 1
+            or cu[0] != 0
+            or (np.diff(cu) < 0).any()
+            or cu[-1] > bitmask.shape[0]
+        ):
+            raise StepError(
+                "bad_step",
+                f"step {sched.step_id}: cu_bitmask_rows must rise from 0 "
+                f"to at most {bitmask.shape[0]} in "
                 f"{len(sched.structured_req_ids) + 1} entries",
             )
         where = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_idx)}
@@ -311,13 +327,21 @@ class ModelRunner:
                 )
             rows.extend(range(batch.cu_rows[j], batch.cu_rows[j + 1]))
             mask_rows.extend(range(int(cu[k]), int(cu[k + 1])))
-        if rows:
-            bitmask = torch.from_numpy(np.ascontiguousarray(sched.grammar_bitmask[mask_rows]))
-            apply_bitmask_(
-                logits,
-                torch.tensor(rows, device=logits.device),
-                bitmask.to(logits.device, non_blocking=True),
-            )
+        return rows, mask_rows
+
+    def apply_grammar(
+        self, sched: SchedulerOutput, plan: tuple[list[int], list[int]], logits: torch.Tensor
+    ) -> None:
+        rows, mask_rows = plan
+        if not rows:
+            return
+        assert sched.grammar_bitmask is not None
+        bitmask = torch.from_numpy(np.ascontiguousarray(sched.grammar_bitmask[mask_rows]))
+        apply_bitmask_(
+            logits,
+            torch.tensor(rows, device=logits.device),
+            bitmask.to(logits.device, non_blocking=True),
+        )
 
     def accept(
         self, sched: SchedulerOutput, batch: StepBatch, logits: torch.Tensor
