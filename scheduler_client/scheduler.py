@@ -12,6 +12,7 @@ One step, in order: ``schedule()`` -> worker -> ``update(ModelRunnerOutput)`` ->
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ class Scheduler:
 
     def _finish(self, req: Request, reason: str, error: str | None) -> None:
         req.finish(reason, error)
-        req.metrics.end_s = req.metrics.end_s or _now()
+        req.metrics.end_s = req.metrics.end_s or time.monotonic()
         if req in self.running:
             self.running.remove(req)
             if req.sent_to_worker:
@@ -374,9 +375,3 @@ class Scheduler:
             req.draft_ids = np.concatenate(
                 [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
             )
-
-
-def _now() -> float:
-    import time
-
-    return time.monotonic()

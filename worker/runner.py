@@ -164,7 +164,10 @@ class ModelRunner:
             )
         req_ids, slots, starts, counts, widths = [], [], [], [], []
         ids_np: list[np.ndarray] = []
-        draft_src: list[tuple[int, int, int, int]] = []  # (flat offset, slot, width, sched offset)
+        # flat position <- (slot, column) of the worker's own draft, for every -1 placeholder
+        own_flat: list[int] = []
+        own_slot: list[int] = []
+        own_col: list[int] = []
         sample_idx: list[int] = []
         own: list[np.ndarray] = []
         logit_rows: list[int] = []
@@ -223,8 +226,10 @@ class ModelRunner:
                 )
             ids_np.append(st.token_ids[slot, c : c + m])
             ids_np.append(np.where(placeholders, 0, sched.draft_token_ids[d_off : d_off + w]))
-            if placeholders.any():
-                draft_src.append((flat + m, slot, w, d_off))
+            for k in np.flatnonzero(placeholders).tolist():
+                own_flat.append(flat + m + k)
+                own_slot.append(slot)
+                own_col.append(k)
             own.append(placeholders)
             req_ids.append(req_id)
             slots.append(slot)
@@ -243,13 +248,13 @@ class ModelRunner:
             else torch.zeros(0, dtype=torch.long)
         )
         input_ids = input_ids.to(device, non_blocking=True)
-        for flat_off, slot, w, d_off in draft_src:
-            # Drafts the worker kept on its device fill the placeholders; scheduler ids stay.
-            keep = torch.from_numpy(sched.draft_token_ids[d_off : d_off + w] < 0).to(device)
-            seg = input_ids[flat_off : flat_off + w]
-            input_ids[flat_off : flat_off + w] = torch.where(
-                keep, st.draft_token_ids[slot, :w], seg
-            )
+        if own_flat:
+            # Drafts the worker kept on its device fill the placeholders (scheduler ids stay):
+            # one index copy and one scatter for the whole batch.
+            idx = torch.from_numpy(np.array([own_flat, own_slot, own_col], np.int64)).to(
+                device, non_blocking=True
+            )  # [3, num_placeholders]
+            input_ids[idx[0]] = st.draft_token_ids[idx[1], idx[2]]
         positions = torch.from_numpy(
             np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
             if counts
@@ -257,11 +262,16 @@ class ModelRunner:
         ).to(device, non_blocking=True)
         kmax = max((widths[i] for i in sample_idx), default=0)
         drafts = torch.zeros((len(sample_idx), max(kmax, 1)), dtype=torch.long, device=device)
-        bounds = np.cumsum([0, *counts])
-        for j, i in enumerate(sample_idx):
-            w = widths[i]
-            if w:
-                drafts[j, :w] = input_ids[bounds[i + 1] - w : bounds[i + 1]]
+        # [S, K] drafts of the sampling requests, gathered from the flat input in one go
+        ends = np.cumsum(counts)
+        rows = [j for j, i in enumerate(sample_idx) for _ in range(widths[i])]
+        cols = [c for i in sample_idx for c in range(widths[i])]
+        src = [int(ends[i]) - widths[i] + c for i in sample_idx for c in range(widths[i])]
+        if rows:
+            gather = torch.from_numpy(np.array([rows, cols, src], np.int64)).to(
+                device, non_blocking=True
+            )  # [3, num_drafts]
+            drafts[gather[0], gather[1]] = input_ids[gather[2]]
         return StepBatch(
             req_ids=req_ids,
             slots=slots,
