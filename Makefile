@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test lint format run bench bench-protocol image image-test clean
+.PHONY: help setup test lint format run bench bench-protocol image image-test bundle clean serve
 
 help:  ## list the tasks
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -48,5 +48,11 @@ image: ## build the worker and scheduler images (BASE=... picks the worker's bas
 image-test: ## build on a debootstrap base here and run a CPU generation through both containers
 	bash docker/image_test.sh
 
+bundle: ## every wheel and the embedded model in dist/specd-bundle, for pip install --no-index (BUNDLE_PYTHON, BUNDLE_GLIBC, BUNDLE_TORCH)
+	bash docker/bundle.sh
+
+serve: ## the scheduler daemon (OpenAI-compatible HTTP on :8000) with a launched worker on the embedded model
+	$(VENV)/bin/specd-scheduler --port 8000
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache build *.egg-info
+	rm -rf $(VENV) dist .pytest_cache .mypy_cache .ruff_cache build *.egg-info

@@ -44,7 +44,7 @@ for _ in $(seq 1 60); do
 done
 echo "worker container: $(docker inspect -f '{{.State.Health.Status}}' specd-worker-test)"
 docker run --rm --network host -v "$WORK/run:/run/specd" -v "$WORK/cache:/var/lib/specd/cache:ro" \
-  specd-scheduler:test run --worker ipc:///run/specd/worker.sock \
+  --entrypoint specd specd-scheduler:test run --worker ipc:///run/specd/worker.sock \
   --chat "What is the capital of France?" --max-tokens 16 --choice Paris London Berlin \
   | tee "$WORK/out.jsonl"
 python3 - "$WORK/out.jsonl" <<'PY'
@@ -52,6 +52,33 @@ import json, sys
 first = json.loads(open(sys.argv[1]).readline())
 assert first["error"] is None and first["text"] in ("Paris", "London", "Berlin"), first
 PY
-docker run --rm --network host -v "$WORK/run:/run/specd" specd-scheduler:test health \
-  ipc:///run/specd/worker.sock
+docker run --rm --network host -v "$WORK/run:/run/specd" --entrypoint specd specd-scheduler:test \
+  health ipc:///run/specd/worker.sock
+
+# The scheduler daemon: its HTTP API from the host, then `docker stop` (SIGTERM) drains, exits 0.
+PORT=${SPECD_TEST_PORT:-18123}
+docker rm -f specd-scheduler-test >/dev/null 2>&1 || true
+trap 'docker rm -f specd-worker-test specd-scheduler-test >/dev/null 2>&1 || true' EXIT
+docker run -d --name specd-scheduler-test --network host -v "$WORK/run:/run/specd" \
+  -v "$WORK/cache:/var/lib/specd/cache:ro" \
+  -e SPECD_PORT="$PORT" specd-scheduler:test --worker ipc:///run/specd/worker.sock --port "$PORT" >/dev/null
+for _ in $(seq 1 60); do
+  [ "$(docker inspect -f '{{.State.Health.Status}}' specd-scheduler-test)" = healthy ] && break
+  docker inspect -f '{{.State.Running}}' specd-scheduler-test | grep -q true || { docker logs specd-scheduler-test; exit 1; }
+  sleep 2
+done
+echo "scheduler container: $(docker inspect -f '{{.State.Health.Status}}' specd-scheduler-test)"
+python3 - "$PORT" <<'PY'
+import json, sys, urllib.request
+body = {"messages": [{"role": "user", "content": "Capital of France?"}], "max_tokens": 8,
+        "temperature": 0, "guided_choice": ["Paris", "London", "Berlin"]}
+req = urllib.request.Request(f"http://127.0.0.1:{sys.argv[1]}/v1/chat/completions",
+                             data=json.dumps(body).encode())
+out = json.load(urllib.request.urlopen(req, timeout=120))
+print(json.dumps(out["choices"][0]))
+assert out["choices"][0]["message"]["content"] in ("Paris", "London", "Berlin"), out
+PY
+docker stop -t 60 specd-scheduler-test >/dev/null
+echo "scheduler container exit code: $(docker inspect -f '{{.State.ExitCode}}' specd-scheduler-test)"
+[ "$(docker inspect -f '{{.State.ExitCode}}' specd-scheduler-test)" = 0 ]
 echo "image-test passed"

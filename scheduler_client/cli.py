@@ -15,9 +15,9 @@ from typing import Any
 
 from protocol.transport import TransportConfig, keygen
 from scheduler_client.bench_serve import main_bench_serve
-from scheduler_client.engine import Engine, EngineConfig
+from scheduler_client.engine import Engine
+from scheduler_client.engine_args import add_engine_args, engine_config
 from scheduler_client.request import Request
-from scheduler_client.scheduler import SchedulerConfig
 from scheduler_client.worker_client import HandshakeError, WorkerClient, WorkerDied
 
 DEMO_SCHEMA = {
@@ -70,67 +70,6 @@ DEMO = [
         ],
     },
 ]
-
-
-def _engine_args(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument(
-        "--curve-secret",
-        default=None,
-        help="this scheduler's CURVE certificate (.key_secret) for a tcp:// worker",
-    )
-    ap.add_argument(
-        "--curve-server-public", default=None, help="the worker's public CURVE certificate (.key)"
-    )
-    ap.add_argument(
-        "--worker",
-        default=None,
-        help="connect to a running worker at this address instead of launching one",
-    )
-    ap.add_argument("--model", default="embedded:smollm2", help="model for the launched worker")
-    ap.add_argument("--drafter", default="ngram", choices=("none", "ngram", "draft_model"))
-    ap.add_argument("--draft-model", default=None)
-    ap.add_argument("--num-speculative-tokens", type=int, default=4)
-    ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when present)")
-    ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    ap.add_argument("--grammar-backend", default="llguidance")
-    ap.add_argument(
-        "--no-forced-drafts",
-        action="store_true",
-        help="do not offer grammar-forced tokens as drafts",
-    )
-    ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
-    ap.add_argument(
-        "--metrics-port",
-        type=int,
-        default=0,
-        help="serve the scheduler's Prometheus metrics on this port (0: off)",
-    )
-
-
-def _config(a: argparse.Namespace) -> EngineConfig:
-    return EngineConfig(
-        worker_addr=a.worker,
-        model=a.model,
-        drafter=a.drafter,
-        draft_model=a.draft_model,
-        num_speculative_tokens=a.num_speculative_tokens,
-        device=a.device,
-        max_model_len=a.max_model_len,
-        worker_max_num_seqs=a.max_num_seqs,
-        grammar_backend=a.grammar_backend,
-        worker_log=a.worker_log,
-        metrics_port=a.metrics_port,
-        transport=TransportConfig(
-            curve_secret_file=a.curve_secret, curve_server_public_file=a.curve_server_public
-        ),
-        scheduler=SchedulerConfig(
-            max_num_seqs=a.max_num_seqs,
-            max_num_batched_tokens=a.max_num_batched_tokens,
-            forced_drafts=not a.no_forced_drafts,
-        ),
-    )
 
 
 def _print_result(req: Request) -> None:
@@ -192,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     run = sub.add_parser("run", help="run one prompt or a JSONL file of requests")
-    _engine_args(run)
+    add_engine_args(run)
     src = run.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="raw prompt text")
     src.add_argument("--chat", help="one user message, wrapped in the chat template")
@@ -214,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         help="replay a JSONL workload at a request rate; report latency percentiles, throughput "
         "and acceptance",
     )
-    _engine_args(bs)
+    add_engine_args(bs)
     bs.add_argument("--file", required=True, help="JSONL of Engine.add_request arguments")
     bs.add_argument(
         "--rate",
@@ -233,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     health.add_argument("--curve-secret", default=None)
     health.add_argument("--curve-server-public", default=None)
     demo = sub.add_parser("demo", help="the `make run` demo on the embedded model")
-    _engine_args(demo)
+    add_engine_args(demo)
     a = ap.parse_args(argv)
 
     if a.cmd == "health":
@@ -244,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if a.cmd == "bench-serve":
         try:
-            with Engine(_config(a)) as engine:
+            with Engine(engine_config(a)) as engine:
                 return main_bench_serve(engine, a.file, a.rate, a.num_requests)
         except (WorkerDied, HandshakeError, FileNotFoundError, ValueError) as e:
             print(f"specd: {e}", file=sys.stderr)
@@ -276,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
             req["messages"] = [{"role": "user", "content": a.chat}]
         requests = [req]
     try:
-        with Engine(_config(a)) as engine:
+        with Engine(engine_config(a)) as engine:
             print(
                 f"# worker ready: {engine.ready.model_name}, drafter {engine.ready.drafter}, "
                 f"k={engine.ready.max_num_speculative_tokens}",

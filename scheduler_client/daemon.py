@@ -1,18 +1,187 @@
-"""``specd-scheduler``: a long-running scheduler daemon with its own front door is issue #5
-(operations). Today the scheduler runs inside ``specd run`` and the ``Engine`` API."""
+"""``specd-scheduler``: the scheduler as a long-running daemon with an OpenAI-compatible HTTP front
+door. It launches a worker (or connects to one with ``--worker``), shakes hands, then listens.
+
+Lifecycle: ready (``/health`` 200, "ready" logged) only after the worker has loaded its models and
+the handshake is done. SIGTERM or SIGINT drains: new requests get 503, running ones finish for up to
+``--drain-timeout`` seconds and are then aborted, the worker is told to stop, and the process exits 0.
+
+Exit codes: 0 clean shutdown; 1 the worker was lost for good or the loop failed; 2 bad
+configuration; 3 no worker (launch, connect or handshake failed).
+"""
 
 from __future__ import annotations
 
+import argparse
+import logging
+import signal
 import sys
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from protocol.options import add_log_args, parse_with_config, setup_logging
+from scheduler_client.engine import Engine, EngineConfig
+from scheduler_client.engine_args import add_engine_args, engine_config
+from scheduler_client.engine_loop import EngineLoop
+from scheduler_client.http_server import Frontend
+from scheduler_client.worker_client import HandshakeError, WorkerDied
+
+log = logging.getLogger("specd.scheduler")
+
+EXIT_OK, EXIT_FATAL, EXIT_CONFIG, EXIT_WORKER = 0, 1, 2, 3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServeConfig:
+    engine: EngineConfig
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # None: the worker's model name
+    api_key_file: str | None = None
+    drain_timeout_s: float = 30.0
+    max_active_requests: int = 4096
+    max_request_bytes: int = 16 << 20
+    log_level: str = "INFO"
+    log_format: str = "text"
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port < 65536:
+            raise ValueError("--port must be a TCP port (0: any free one)")
+        if self.drain_timeout_s < 0:
+            raise ValueError("--drain-timeout must be >= 0 seconds")
+        if self.max_active_requests < 1 or self.max_request_bytes < 1024:
+            raise ValueError("--max-active-requests must be >= 1, --max-request-bytes >= 1024")
+        if self.log_format not in ("text", "json"):
+            raise ValueError("--log-format must be text or json")
+        if self.api_key_file is not None and not Path(self.api_key_file).is_file():
+            raise ValueError(f"--api-key-file {self.api_key_file}: no such file")
+
+    def api_key(self) -> str | None:
+        if self.api_key_file is None:
+            return None
+        key = Path(self.api_key_file).read_text().strip()
+        if not key:
+            raise ValueError(f"--api-key-file {self.api_key_file} is empty")
+        return key
+
+
+def parse_args(argv: list[str] | None) -> ServeConfig:
+    ap = argparse.ArgumentParser(
+        prog="specd-scheduler",
+        description="The specd scheduler daemon: an OpenAI-compatible HTTP server that schedules "
+        "requests, checks drafts against grammars and drives one specd worker over ZeroMQ.",
+        epilog="Exit codes: 0 clean shutdown; 1 worker lost for good or loop failure; 2 bad "
+        "configuration; 3 no worker (launch, connect or handshake failed).",
+    )
+    ap.add_argument(
+        "--config",
+        default=None,
+        help="a TOML file of these options (keys as flag names, - or _); flags win",
+    )
+    ap.add_argument("--host", default="127.0.0.1", help="HTTP address to listen on")
+    ap.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    ap.add_argument(
+        "--served-model-name",
+        default=None,
+        help="the model name clients use (default: the worker's)",
+    )
+    ap.add_argument(
+        "--api-key-file",
+        default=None,
+        help="file holding the key clients must send as 'Authorization: Bearer KEY' "
+        "(/health and /metrics stay open)",
+    )
+    ap.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="on SIGTERM/SIGINT, seconds running requests may finish before they are aborted",
+    )
+    ap.add_argument(
+        "--max-active-requests",
+        type=int,
+        default=4096,
+        help="requests queued or running at once; more are answered 503",
+    )
+    ap.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest HTTP body")
+    add_engine_args(ap)
+    add_log_args(ap)
+    a = parse_with_config(ap, argv)
+    return ServeConfig(
+        engine=engine_config(a),
+        host=a.host,
+        port=a.port,
+        served_model_name=a.served_model_name,
+        api_key_file=a.api_key_file,
+        drain_timeout_s=a.drain_timeout,
+        max_active_requests=a.max_active_requests,
+        max_request_bytes=a.max_request_bytes,
+        log_level=a.log_level,
+        log_format=a.log_format,
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
-    print(
-        "specd-scheduler: the standalone scheduler daemon is not built yet (issue #5). Use "
-        "`specd run` (or scheduler_client.Engine), which runs the scheduler beside a worker.",
-        file=sys.stderr,
-    )
-    return 2
+    try:
+        cfg = parse_args(argv)
+        api_key = cfg.api_key()
+    except ValueError as e:
+        print(f"specd-scheduler: {e}", file=sys.stderr)
+        return EXIT_CONFIG
+    setup_logging(cfg.log_level, cfg.log_format)
+    where = cfg.engine.worker_addr or f"a launched worker ({cfg.engine.model})"
+    log.info("starting: worker %s", where)
+    try:
+        engine = Engine(cfg.engine)
+    except (WorkerDied, HandshakeError, OSError, ValueError) as e:
+        log.error("no worker: %s", e)
+        return EXIT_WORKER
+    with engine:
+        loop = EngineLoop(engine)
+        frontend = Frontend(
+            loop,
+            model=cfg.served_model_name or engine.ready.model_name,
+            max_model_len=engine.ready.max_model_len,
+            api_key=api_key,
+            max_request_bytes=cfg.max_request_bytes,
+            max_active_requests=cfg.max_active_requests,
+        )
+        try:
+            server = frontend.serve(cfg.host, cfg.port)
+        except OSError as e:
+            log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
+            return EXIT_CONFIG
+        http = threading.Thread(target=server.serve_forever, name="http", daemon=True)
+        http.start()
+
+        def stop(signum: int, _frame: object) -> None:
+            log.info("signal %d: draining", signum)
+            loop.drain(cfg.drain_timeout_s)
+
+        signal.signal(signal.SIGTERM, stop)
+        signal.signal(signal.SIGINT, stop)
+        host, port = server.server_address[:2]
+        log.info(
+            "ready: http://%s:%d (model %s, drafter %s, k=%d)",
+            host,
+            port,
+            frontend.model,
+            engine.ready.drafter,
+            engine.ready.max_num_speculative_tokens,
+        )
+        try:
+            loop.run()
+        except Exception:
+            log.exception("fatal error in the scheduler loop")
+            return EXIT_FATAL
+        finally:
+            frontend.alive = False
+            server.shutdown()
+            server.server_close()
+        if loop.failed:
+            return EXIT_FATAL
+        log.info("drained; stopping the worker")
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -121,6 +121,13 @@ class Scheduler:
             return
         self._finish(req, "abort", None)
 
+    def release(self, req_id: str) -> None:
+        """Forget a finished request (a long-running server calls this once it has answered);
+        anything the worker still reports for it is ignored."""
+        req = self.requests.get(req_id)
+        if req is not None and req.finished:
+            del self.requests[req_id]
+
     def unsend(self, req_ids: list[str]) -> None:
         """The worker refused the step that brought these requests and kept none of them: they go
         back to the front of the queue, as if never sent."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+from protocol.options import add_log_args, parse_with_config
 from protocol.transport import TransportConfig, check_security, validate_address
 from worker.model_loader import EMBEDDED_MODEL
 
@@ -130,13 +131,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         default=None,
         help="folder of the public certificates (.key) of schedulers allowed in",
     )
-    ap.add_argument("--log-level", default=d.log_level, help="DEBUG, INFO, WARNING or ERROR")
-    ap.add_argument(
-        "--log-format",
-        default=d.log_format,
-        choices=("text", "json"),
-        help="text lines, or one JSON object per line",
-    )
+    add_log_args(ap)
     ap.add_argument(
         "--metrics-port",
         type=int,
@@ -150,10 +145,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         help="seconds of silence from a scheduler holding requests before they are "
         "freed (the scheduler is taken for dead)",
     )
-    first = ap.parse_args(argv)
-    if first.config:
-        ap.set_defaults(**load_toml(first.config, ap))
-    a = ap.parse_args(argv)
+    a = parse_with_config(ap, argv)
     return WorkerConfig(
         model=a.model,
         drafter=a.drafter,
@@ -174,23 +166,3 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         curve_secret=a.curve_secret,
         curve_authorized=a.curve_authorized,
     )
-
-
-def load_toml(path: str, ap: argparse.ArgumentParser) -> dict[str, object]:
-    """Options from a TOML file, checked against the parser's flags (an unknown key is an error
-    that names it)."""
-    import tomllib
-
-    try:
-        with open(path, "rb") as f:
-            raw = tomllib.load(f)
-    except (OSError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"cannot read config {path}: {e}") from None
-    known = {a.dest for a in ap._actions}
-    out: dict[str, object] = {}
-    for key, value in raw.items():
-        dest = key.replace("-", "_")
-        if dest not in known or dest in ("help", "config"):
-            raise ValueError(f"config {path}: unknown option {key!r}")
-        out[dest] = value
-    return out

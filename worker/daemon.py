@@ -7,7 +7,6 @@ logged, reported to the scheduler with ``fatal=True``, and the process exits 1).
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import sys
@@ -29,6 +28,7 @@ from protocol import (
     WorkerReady,
     bind_router,
 )
+from protocol.options import setup_logging
 from protocol.transport import Channel
 from worker.config import WorkerConfig, parse_args
 from worker.drafters.base import Drafter, NoDrafter
@@ -247,29 +247,6 @@ class WorkerLoop:
             # A health check that gave up, or a scheduler that went away: nothing to repair here.
             level = logging.INFO if e.code == "closed" else logging.WARNING
             log.log(level, "could not answer %r: %s", identity, e)
-
-
-class JsonFormatter(logging.Formatter):
-    def format(self, record: logging.LogRecord) -> str:
-        out = {
-            "ts": round(record.created, 3),
-            "level": record.levelname,
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        if record.exc_info:
-            out["exc"] = self.formatException(record.exc_info)
-        return json.dumps(out)
-
-
-def setup_logging(level: str, fmt: str) -> None:
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(
-        JsonFormatter()
-        if fmt == "json"
-        else logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
-    )
-    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
 def main(argv: list[str] | None = None) -> int:

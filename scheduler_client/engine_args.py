@@ -1,0 +1,79 @@
+"""The flags that build an ``EngineConfig``, shared by ``specd run``/``demo``/``bench-serve`` and the
+``specd-scheduler`` daemon."""
+
+from __future__ import annotations
+
+import argparse
+
+from protocol.transport import TransportConfig
+from scheduler_client.engine import EngineConfig
+from scheduler_client.scheduler import SchedulerConfig
+
+
+def add_engine_args(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument(
+        "--curve-secret",
+        default=None,
+        help="this scheduler's CURVE certificate (.key_secret) for a tcp:// worker",
+    )
+    ap.add_argument(
+        "--curve-server-public", default=None, help="the worker's public CURVE certificate (.key)"
+    )
+    ap.add_argument(
+        "--worker",
+        default=None,
+        help="connect to a running worker at this address instead of launching one",
+    )
+    ap.add_argument("--model", default="embedded:smollm2", help="model for the launched worker")
+    ap.add_argument("--drafter", default="ngram", choices=("none", "ngram", "draft_model"))
+    ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--num-speculative-tokens", type=int, default=4)
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when present)")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument("--grammar-backend", default="llguidance")
+    ap.add_argument(
+        "--no-forced-drafts",
+        action="store_true",
+        help="do not offer grammar-forced tokens as drafts",
+    )
+    ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
+    ap.add_argument(
+        "--max-worker-restarts",
+        type=int,
+        default=3,
+        help="after a worker dies: relaunch it (or wait for a new one at --worker) and replay "
+        "in-flight requests, at most this many times (0: fail them instead)",
+    )
+    ap.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="serve the scheduler's Prometheus metrics on this port (0: off)",
+    )
+
+
+def engine_config(a: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        worker_addr=a.worker,
+        model=a.model,
+        drafter=a.drafter,
+        draft_model=a.draft_model,
+        num_speculative_tokens=a.num_speculative_tokens,
+        device=a.device,
+        max_model_len=a.max_model_len,
+        worker_max_num_seqs=a.max_num_seqs,
+        grammar_backend=a.grammar_backend,
+        worker_log=a.worker_log,
+        max_worker_restarts=a.max_worker_restarts,
+        metrics_port=a.metrics_port,
+        transport=TransportConfig(
+            curve_secret_file=a.curve_secret, curve_server_public_file=a.curve_server_public
+        ),
+        scheduler=SchedulerConfig(
+            max_num_seqs=a.max_num_seqs,
+            max_num_batched_tokens=a.max_num_batched_tokens,
+            forced_drafts=not a.no_forced_drafts,
+        ),
+    )

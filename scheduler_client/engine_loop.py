@@ -1,0 +1,166 @@
+"""One thread owns the ``Engine``; any other thread submits, aborts and reads results through it.
+
+The engine (scheduler, grammar matchers, worker socket) is single-threaded by design. Front doors
+(the HTTP server) hand requests over through a queue and receive each request's text deltas and
+its end through that request's own ``Stream``; nothing else touches the engine.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler_client.engine import Engine
+from scheduler_client.request import Request
+from scheduler_client.worker_client import WorkerDied
+
+log = logging.getLogger("specd.scheduler")
+
+IDLE_WAIT_S = 0.05
+
+
+@dataclass(frozen=True)
+class Delta:
+    text: str
+
+
+@dataclass(frozen=True)
+class Done:
+    req: Request
+
+
+@dataclass(frozen=True)
+class Refused:
+    """The request never ran: ``message`` says why (a bad schema, a prompt too long, ...)."""
+
+    message: str
+
+
+Event = Delta | Done | Refused
+
+
+class Stream:
+    """What one request's reader sees: ``Delta`` events, then exactly one ``Done`` or ``Refused``."""
+
+    def __init__(self) -> None:
+        self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
+        self.req_id: str | None = None
+
+    def get(self, timeout_s: float | None = None) -> Event:
+        return self.events.get(timeout=timeout_s)
+
+
+class EngineLoop:
+    """Runs ``engine`` on the thread that calls ``run``; ``submit``/``abort``/``drain`` are safe
+    from any thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._inbox: queue.SimpleQueue[tuple[str, Any, Stream | None]] = queue.SimpleQueue()
+        self._streams: dict[str, Stream] = {}
+        self._drain_deadline: float | None = None
+        self.draining = False
+        self.failed: str | None = None  # set when the worker is gone for good
+
+    # -- any thread -----------------------------------------------------------------------------
+    def submit(self, request: dict[str, Any]) -> Stream:
+        """Queue ``request`` (keyword arguments of ``Engine.add_request``)."""
+        stream = Stream()
+        self._inbox.put(("add", request, stream))
+        return stream
+
+    def abort(self, req_id: str) -> None:
+        self._inbox.put(("abort", req_id, None))
+
+    def drain(self, timeout_s: float) -> None:
+        """Take no new requests; let the running ones finish for ``timeout_s``, then abort them."""
+        self._inbox.put(("drain", timeout_s, None))
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    # -- the engine's thread --------------------------------------------------------------------
+    def run(self) -> None:
+        """Step until drained (or the worker is lost for good)."""
+        scheduler = self.engine.scheduler
+        while True:
+            busy = scheduler.has_work()
+            self._take_inbox(block=not busy)
+            if self.draining:
+                if not self._streams and not scheduler.has_work():
+                    return
+                assert self._drain_deadline is not None
+                if time.monotonic() > self._drain_deadline:
+                    for req_id in list(self._streams):
+                        scheduler.abort(req_id)
+            if scheduler.has_work():
+                try:
+                    self.engine.step()
+                except WorkerDied as e:
+                    self.failed = str(e)
+                    log.error("worker lost for good: %s", e)
+                    self._finish_streams()
+                    return
+                except Exception as e:
+                    # Our bug or the worker's: every reader hears it before the process ends.
+                    self.failed = repr(e)
+                    for req_id in list(self._streams):
+                        scheduler.fail(req_id, f"the scheduler failed: {e!r}")
+                    self._finish_streams()
+                    raise
+            self._finish_streams()
+
+    def _take_inbox(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=IDLE_WAIT_S) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._apply(*item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _apply(self, kind: str, arg: Any, stream: Stream | None) -> None:
+        if kind == "drain":
+            if not self.draining:
+                log.info("draining %d requests (deadline %.1f s)", len(self._streams), arg)
+                self.draining = True
+                self._drain_deadline = time.monotonic() + float(arg)
+        elif kind == "abort":
+            self.engine.abort(arg)
+        else:
+            assert stream is not None
+            self._add(arg, stream)
+
+    def _add(self, request: dict[str, Any], stream: Stream) -> None:
+        if self.draining:
+            stream.events.put(Refused("the scheduler is shutting down"))
+            return
+        try:
+            req = self.engine.add_request(**request)
+        except (ValueError, TypeError) as e:
+            stream.events.put(Refused(str(e)))
+            return
+        if req.finished:  # refused at once: a bad schema, a prompt too long, ...
+            self.engine.scheduler.release(req.req_id)
+            stream.events.put(Refused(req.error or "the request was refused"))
+            return
+        stream.req_id = req.req_id
+        req.on_delta = lambda _r, text: stream.events.put(Delta(text))
+        self._streams[req.req_id] = stream
+
+    def _finish_streams(self) -> None:
+        requests = self.engine.scheduler.requests
+        for req_id, stream in list(self._streams.items()):
+            req = requests.get(req_id)
+            if req is None or not req.finished:
+                continue
+            del self._streams[req_id]
+            stream.events.put(Done(req))
+            self.engine.scheduler.release(req_id)

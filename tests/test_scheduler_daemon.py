@@ -1,0 +1,277 @@
+"""``specd-scheduler`` as a real process (it launches a real worker): the OpenAI-compatible HTTP
+API, TOML config, JSON logs, API keys and the SIGTERM drain."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import pytest
+
+from scheduler_client import Engine, EngineConfig
+from scheduler_client.daemon import parse_args
+from scheduler_client.openai_api import ApiError, engine_request
+from tests.models import save_byte_model
+from tests.procs import free_port
+from tests.test_scheduler_e2e import SCHEMAS
+
+KEY = "sk-test-0123"
+
+
+class Daemon:
+    def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
+        self.proc, self.port, self.log = proc, port, log
+
+    def call(
+        self, path: str, body: dict[str, Any] | None = None, key: str | None = KEY
+    ) -> tuple[int, Any]:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}")
+        if body is not None:
+            req.data = json.dumps(body).encode()
+            req.add_header("Content-Type", "application/json")
+        if key:
+            req.add_header("Authorization", f"Bearer {key}")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                raw = r.read()
+                status = r.status
+        except urllib.error.HTTPError as e:
+            raw, status = e.read(), e.code
+        try:
+            return status, json.loads(raw)
+        except json.JSONDecodeError:
+            return status, raw.decode()
+
+    def events(self, path: str, body: dict[str, Any]) -> list[Any]:
+        """A streamed answer as its list of SSE payloads (``[DONE]`` kept as a string)."""
+        _, raw = self.call(path, {**body, "stream": True})
+        assert isinstance(raw, str)
+        out: list[Any] = []
+        for block in raw.split("\n\n"):
+            if block.startswith("data: "):
+                data = block[len("data: ") :]
+                out.append(data if data == "[DONE]" else json.loads(data))
+        return out
+
+
+def start_daemon(tmp: Path, model: Path, *flags: str) -> Daemon:
+    port = free_port()
+    (tmp / "key").write_text(KEY + "\n")
+    (tmp / "sched.toml").write_text(
+        f'model = "{model}"\ndevice = "cpu"\nmax-model-len = 384\nlog_format = "json"\n'
+        f'port = 1\nserved_model_name = "tiny"\napi_key_file = "{tmp / "key"}"\n'
+    )
+    log = tmp / "sched.log"
+    with open(log, "wb") as err:
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "scheduler_client.daemon",
+                "--config",
+                str(tmp / "sched.toml"),
+                "--port",  # the flag wins over the file's port = 1
+                str(port),
+                "--worker-log",
+                str(tmp / "worker.log"),
+                *flags,
+            ],
+            stderr=err,
+        )
+    d = Daemon(proc, port, log)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, log.read_text()
+        try:
+            if d.call("/health")[0] == 200:
+                return d
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError("the scheduler never became ready:\n" + log.read_text())
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_byte_model("llama", 31, tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def daemon(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Daemon]:
+    d = start_daemon(tmp_path_factory.mktemp("sched"), model)
+    yield d
+    d.proc.kill()
+    d.proc.wait(timeout=30)
+
+
+def test_completions_equal_the_engine_greedy_output(daemon: Daemon, model: Path) -> None:
+    prompts = ["the cat sat on the mat. the cat", "abcabcabc", "x"]
+    got = []
+    for p in prompts:
+        status, body = daemon.call(
+            "/v1/completions",
+            {"model": "tiny", "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True},
+        )
+        assert status == 200, body
+        assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+        assert body["usage"]["completion_tokens"] == 24
+        assert body["choices"][0]["finish_reason"] == "length"
+        got.append(body["choices"][0]["text"])
+    with Engine(EngineConfig(model=str(model), device="cpu", max_model_len=384)) as e:
+        want = e.generate([{"prompt": p, "max_tokens": 24, "ignore_eos": True} for p in prompts])
+    assert got == [r.text for r in want]
+
+
+def test_streamed_chat_with_a_json_schema(daemon: Daemon) -> None:
+    schema = SCHEMAS[0]
+    events = daemon.events(
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "a user as JSON"}],
+            "max_tokens": 200,
+            "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"schema": schema}},
+            "stream_options": {"include_usage": True},
+        },
+    )
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chunks)
+    text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks)
+    jsonschema.validate(json.loads(text), schema)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert chunks[-1]["usage"]["completion_tokens"] >= len(chunks) - 2
+
+
+def test_bad_requests_get_clear_errors_and_others_keep_running(daemon: Daemon) -> None:
+    long_result: list[tuple[int, Any]] = []
+    body = {"prompt": "long", "max_tokens": 120, "ignore_eos": True, "temperature": 0}
+    t = threading.Thread(target=lambda: long_result.append(daemon.call("/v1/completions", body)))
+    t.start()
+    bad_schema = {
+        "prompt": "x",
+        "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "bogus"}}},
+    }
+    status, err = daemon.call("/v1/completions", bad_schema)
+    assert status == 400 and "bogus" in err["error"]["message"]
+    status, err = daemon.call("/v1/completions", {"prompt": "x" * 500})
+    assert status == 400 and "too long" in err["error"]["message"]
+    status, err = daemon.call("/v1/completions", {"prompt": "x", "n": 3})
+    assert status == 400 and "n must be 1" in err["error"]["message"]
+    status, err = daemon.call("/v1/completions", {"prompt": "x", "model": "gpt-9"})
+    assert status == 404 and "gpt-9" in err["error"]["message"]
+    status, err = daemon.call("/v1/completions", {"prompt": "x"}, key="wrong")
+    assert status == 401
+    status, err = daemon.call("/v1/nothing", {"prompt": "x"})
+    assert status == 404
+    t.join(timeout=120)
+    ((status, done),) = long_result
+    assert status == 200 and done["usage"]["completion_tokens"] == 120
+    assert daemon.call("/health", key=None) == (200, {"status": "ok", "active_requests": 0})
+    status, metrics = daemon.call("/metrics", key=None)
+    assert status == 200 and "specd_scheduler_requests_finished_total" in metrics
+    status, models = daemon.call("/v1/models")
+    assert models["data"][0]["id"] == "tiny"
+
+
+def test_sigterm_drains_running_requests_then_exits_0(tmp_path: Path, model: Path) -> None:
+    d = start_daemon(tmp_path, model, "--drain-timeout", "60")
+    try:
+        results: list[tuple[int, Any]] = []
+        body = {"prompt": "go", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
+        t = threading.Thread(target=lambda: results.append(d.call("/v1/completions", body)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while d.call("/health")[1]["active_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        d.proc.send_signal(signal.SIGTERM)
+        t.join(timeout=120)
+        assert d.proc.wait(timeout=60) == 0
+        ((status, done),) = results
+        assert status == 200 and done["usage"]["completion_tokens"] == 150  # finished, not cut
+        lines = [json.loads(x) for x in d.log.read_text().splitlines() if x.startswith("{")]
+        msgs = [x["msg"] for x in lines]
+        assert any(m.startswith("ready: http://") for m in msgs)
+        assert any(m.startswith("draining 1 requests") for m in msgs), msgs
+    finally:
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+
+
+def test_sigterm_aborts_what_outlives_the_drain_deadline(tmp_path: Path, model: Path) -> None:
+    d = start_daemon(tmp_path, model, "--drain-timeout", "0")
+    try:
+        body = {"prompt": "go", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
+        results: list[list[Any]] = []
+        t = threading.Thread(target=lambda: results.append(d.events("/v1/completions", body)))
+        t.start()
+        deadline = time.monotonic() + 60
+        while d.call("/health")[1]["active_requests"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        d.proc.send_signal(signal.SIGTERM)
+        t.join(timeout=120)
+        assert d.proc.wait(timeout=60) == 0
+        (events,) = results
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+    finally:
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+
+
+def test_config_errors_name_what_to_fix(tmp_path: Path) -> None:
+    bad = tmp_path / "s.toml"
+    bad.write_text("prot = 8000\n")
+    with pytest.raises(ValueError, match="unknown option 'prot'"):
+        parse_args(["--config", str(bad)])
+    with pytest.raises(ValueError, match="--port must be"):
+        parse_args(["--port", "70000"])
+    out = subprocess.run(
+        [sys.executable, "-m", "scheduler_client.daemon", "--api-key-file", "/nonexistent"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 2 and "/nonexistent: no such file" in out.stderr
+
+
+def test_openai_bodies_become_engine_requests() -> None:
+    chat = engine_request(
+        {
+            "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+            "max_completion_tokens": 7,
+            "top_k": -1,
+            "stop": "END",
+            "guided_choice": ["a", "b"],
+        },
+        chat=True,
+        max_model_len=100,
+    )
+    assert chat["messages"] == [{"role": "user", "content": "hi"}]
+    assert (chat["max_tokens"], chat["top_k"], chat["stop"]) == (7, 0, ["END"])
+    assert chat["structured"] == {"choice": ["a", "b"]} and chat["temperature"] == 1.0
+    plain = engine_request({"prompt": [[1, 2, 3]]}, chat=False, max_model_len=100)
+    assert plain["prompt"] == [1, 2, 3] and plain["max_tokens"] == 16
+    obj = engine_request(
+        {"prompt": "p", "response_format": {"type": "json_object"}}, chat=False, max_model_len=9
+    )
+    assert obj["structured"] == {"json": {"type": "object"}}
+    for body, message in [
+        ({"prompt": "p", "logprobs": 2}, "logprobs is not supported"),
+        ({"prompt": "p", "temperature": "hot"}, "temperature has the wrong type"),
+        ({"prompt": ["a", "b"]}, "one prompt"),
+        ({"prompt": "p", "guided_regex": "a", "guided_choice": ["a"]}, "not several"),
+        ({"messages": []}, "messages must be a non-empty list"),
+        ([], "must be a JSON object"),
+    ]:
+        with pytest.raises(ApiError, match=message):
+            engine_request(body, chat="messages" in body, max_model_len=9)
