@@ -1,11 +1,16 @@
-"""Greedy speculative decoding vs target-only greedy on SmolLM2, any device and dtype.
+"""(a, b, d) specd with and without speculation on SmolLM2, HF transformers on the same prompts, and
+the batch-1 decode step against its floors. Any device and dtype.
 
-    python bench/lossless_bench.py --model PATH_OR_embedded:smollm2 --device cuda --dtype bfloat16
+    python bench/lossless_bench.py --model PATH_OR_embedded:smollm2 --device cuda --dtype bfloat16 \
+        --batches 1 8 64 --max-tokens 128 --json-out out.json
 
-For each drafter it decodes the prompt mix at batch 1 (one prompt at a time) and at batch N (all at
-once) and reports: tokens/s, mean acceptance length, and the share of tokens equal to target-only
-greedy (our engine without drafts, same device and dtype): position by position, and as the
-matched prefix. Also HF transformers' plain greedy `generate` on the same prompts, for reference.
+(a) For each batch size the prompt mix (edit tasks, JSON, open chat; repeated to fill the batch) is
+decoded without drafts and with n-gram drafts: tokens/s, mean acceptance length, acceptance per
+position, and the share of tokens equal to the no-draft output (position by position and as matched
+prefix), per prompt kind at batch 1. (b) HF `generate` plain and with prompt lookup at batch 1.
+(d) The batch-1 no-draft step against the weight-streaming floor (weight bytes / measured HBM
+bandwidth) and against replaying the step's CUDA graph alone. Every configuration runs once untimed
+first (graph capture, allocator), then timed.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer
@@ -22,6 +28,7 @@ from tokenizers import Tokenizer
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.prompts import PROMPTS, chat
+from scheduler_client.spec_tuner import SpeculationTuner
 from tests.driver import Req, run
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.ngram import NgramDrafter
@@ -29,40 +36,63 @@ from worker.model_executor import ModelExecutor
 from worker.model_loader import load_model
 from worker.runner import ModelRunner
 
+MAX_LEN = 1024
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def make_runner(
+    model: torch.nn.Module, drafter: Drafter, k: int, batch: int, mode: str, graphs: bool
+) -> ModelRunner:
+    return ModelRunner(
+        ModelExecutor(
+            model,
+            max_num_seqs=batch,
+            max_model_len=MAX_LEN,
+            batch_invariant=mode,
+            decode_width=1 + k,
+            cuda_graphs=graphs,
+        ),
+        drafter,
+        max_num_seqs=batch,
+        max_model_len=MAX_LEN,
+        max_num_draft_tokens=max(k, 1),
+    )
+
 
 def decode(
-    model: torch.nn.Module,
-    drafter: Drafter,
+    runner: ModelRunner,
     prompts: list[list[int]],
     max_tokens: int,
     k: int,
-    batch: int,
-    mode: str = "off",
-) -> tuple[list[list[int]], float, float]:
-    """Outputs, tokens/s, mean acceptance length (1 + accepted / steps-with-drafts)."""
-    outs: list[list[int]] = []
-    tokens = 0
-    accepted = spec_steps = 0
+    tuner: SpeculationTuner | None = None,
+) -> dict[str, Any]:
+    """All prompts at once (the runner's slots are the batch); an untimed pass first."""
+    runner.target.decode.capture_all(max(len(p) for p in prompts) + max_tokens + k + 1)
+    warm = [Req(f"w{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
+    run(runner, warm, 100_000, tuner)
+    reqs = [Req(f"r{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
+    sync()
+    steps0 = runner.num_steps
     t0 = time.perf_counter()
-    for i in range(0, len(prompts), batch):
-        runner = ModelRunner(
-            ModelExecutor(model, max_num_seqs=batch, max_model_len=1024, batch_invariant=mode),
-            drafter,
-            max_num_seqs=batch,
-            max_model_len=1024,
-            max_num_draft_tokens=max(k, 1),
-        )
-        reqs = [Req(f"r{j}", p, max_tokens, k=k) for j, p in enumerate(prompts[i : i + batch])]
-        got = run(runner, reqs, max_steps=10_000)
-        for r in reqs:
-            outs.append(got[r.req_id])
-            tokens += len(got[r.req_id])
-            accepted += r.accepted
-            spec_steps += r.spec_steps
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+    got = run(runner, reqs, max_steps=100_000, tuner=tuner)
+    sync()
     dt = time.perf_counter() - t0
-    return outs, tokens / dt, 1 + accepted / max(spec_steps, 1)
+    tokens = sum(len(v) for v in got.values())
+    spec_steps = sum(r.spec_steps for r in reqs)
+    width = max((len(r.drafted_at) for r in reqs), default=0)
+    drafted = [sum(r.drafted_at[i] for r in reqs if i < len(r.drafted_at)) for i in range(width)]
+    accepted = [sum(r.accepted_at[i] for r in reqs if i < len(r.accepted_at)) for i in range(width)]
+    return {
+        "outs": [got[r.req_id] for r in reqs],
+        "tps": tokens / dt,
+        "step_s": dt / max(runner.num_steps - steps0, 1),
+        "mean_len": 1 + sum(r.accepted for r in reqs) / max(spec_steps, 1),
+        "per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
+    }
 
 
 def share(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
@@ -77,6 +107,76 @@ def share(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
     return pos / total, prefix / total
 
 
+def floors(model: torch.nn.Module, runner: ModelRunner, step_s: float) -> dict[str, float]:
+    """(d): the measured batch-1 step vs weight bytes / HBM bandwidth and vs graph replay."""
+    out: dict[str, float] = {"step_ms": step_s * 1e3}
+    if not torch.cuda.is_available():
+        return out
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    y.copy_(x)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    sync()
+    bandwidth = 2 * x.numel() * 20 / (time.perf_counter() - t0)  # read + write
+    del x, y
+    out["hbm_gb_s"] = bandwidth / 1e9
+    out["weight_floor_ms"] = weight_bytes / bandwidth * 1e3
+    graphs = runner.target.decode
+    shape = next((s for (b, w, _), s in sorted(graphs._shapes.items()) if b == 1 and w == 1), None)
+    if shape is not None and shape.graph is not None:
+        shape.graph.replay()
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(200):
+            shape.graph.replay()
+        sync()
+        out["graph_replay_ms"] = (time.perf_counter() - t0) / 200 * 1e3
+        out["step_over_replay"] = out["step_ms"] / out["graph_replay_ms"]
+    out["step_over_weight_floor"] = out["step_ms"] / out["weight_floor_ms"]
+    return out
+
+
+def hf_reference(
+    directory: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    prompts: list[list[int]],
+    max_tokens: int,
+    k: int,
+) -> dict[str, Any]:
+    """(b) HF generate at batch 1: plain greedy, and prompt-lookup assisted."""
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
+    res: dict[str, Any] = {}
+    for name, extra in (("plain", {}), ("prompt_lookup", {"prompt_lookup_num_tokens": k})):
+        outs, n = [], 0
+        for _ in range(2):  # the first pass warms up
+            sync()
+            t0 = time.perf_counter()
+            outs, n = [], 0
+            for p in prompts:
+                ids = torch.tensor([p], device=device)
+                o = hf.generate(
+                    ids,
+                    max_new_tokens=max_tokens,
+                    do_sample=False,
+                    eos_token_id=None,
+                    pad_token_id=0,
+                    **extra,
+                )[0, len(p) :].tolist()
+                outs.append(o)
+                n += len(o)
+            sync()
+            dt = time.perf_counter() - t0
+        res[name] = {"tps": n / dt, "outs": outs}
+    return res
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="embedded:smollm2")
@@ -84,80 +184,133 @@ def main() -> None:
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 6])
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--batch-invariant", default="off", help="off, pad or pad-fp32")
+    ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--skip-hf", action="store_true", help="skip the HF generate reference")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     loaded = load_model(args.model, device=device, dtype=dtype)
     tok = Tokenizer.from_file(os.path.join(loaded.directory, "tokenizer.json"))
-    prompts = [tok.encode(chat(p)).ids for p in PROMPTS.values()]
+    kinds = list(PROMPTS)
+    base_prompts = [tok.encode(chat(p)).ids for p in PROMPTS.values()]
     model = loaded.model
-    # warm-up
-    decode(model, NoDrafter(), prompts[:1], 4, 0, 1)
-    rows = []
-    results: dict[str, object] = {
+    graphs = not args.enforce_eager
+    mode = args.batch_invariant
+    results: dict[str, Any] = {
         "device": str(device),
         "dtype": str(model.dtype),
-        "batch_invariant": args.batch_invariant,
+        "batch_invariant": mode,
+        "cuda_graphs": graphs,
+        "rows": [],
     }
-    for batch in (1, len(prompts)):
-        mode = args.batch_invariant
-        base, base_tps, _ = decode(model, NoDrafter(), prompts, args.max_tokens, 0, batch, mode)
-        rows.append(("none", batch, base_tps, 1.0, 1.0, 1.0, 1.0))
-        for name, drafter in (("ngram", NgramDrafter(min_n=1, max_n=4, max_num_tokens=args.k)),):
-            outs, tps, mean_len = decode(
-                model, drafter, prompts, args.max_tokens, args.k, batch, mode
-            )
-            pos, prefix = share(outs, base)
-            rows.append((name, batch, tps, tps / base_tps, pos, prefix, mean_len))
-    hf_tps = None
-    try:
-        if args.skip_hf:
-            raise RuntimeError("skipped (--skip-hf)")
-        from transformers import AutoModelForCausalLM
-
-        hf = (
-            AutoModelForCausalLM.from_pretrained(loaded.directory, dtype=model.dtype)
-            .to(device)
-            .eval()
+    rows = results["rows"]
+    for batch in args.batches:
+        prompts = [
+            base_prompts[i % len(base_prompts)] for i in range(max(batch, len(base_prompts)))
+        ]
+        # batch 1: one request at a time through one runner; batch N: N at once
+        groups = (
+            [[p] for p in prompts]
+            if batch == 1
+            else [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         )
-        t0 = time.perf_counter()
-        n = 0
-        hf_outs = []
-        for p in prompts:
-            ids = torch.tensor([p], device=device)
-            o = hf.generate(
-                ids,
-                max_new_tokens=args.max_tokens,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(p) :].tolist()
-            hf_outs.append(o)
-            n += len(o)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        hf_tps = n / (time.perf_counter() - t0)
-        base1 = decode(model, NoDrafter(), prompts, args.max_tokens, 0, 1)[0]
-        results["hf_vs_specd_none_share"] = share(hf_outs, base1)
-    except Exception as e:  # report, do not hide
-        results["hf_error"] = repr(e)
-    results["hf_generate_tps"] = hf_tps
-    results["rows"] = rows
-    print(f"batch_invariant={args.batch_invariant} dtype={model.dtype}")
+        per: dict[str, dict[str, Any]] = {}
+        for name, k in (("none", 0), ("ngram", args.k), ("ngram+adaptive", args.k)):
+            drafter: Drafter = (
+                NoDrafter() if k == 0 else NgramDrafter(min_n=1, max_n=4, max_num_tokens=k)
+            )
+            runner = make_runner(model, drafter, k, batch, mode, graphs)
+            tuner = SpeculationTuner(k) if name.endswith("adaptive") else None
+            parts = [decode(runner, g, args.max_tokens, k, tuner) for g in groups]
+            tokens = sum(sum(len(o) for o in p["outs"]) for p in parts)
+            seconds = sum(sum(len(o) for o in p["outs"]) / p["tps"] for p in parts)
+            per[name] = {
+                "outs": [o for p in parts for o in p["outs"]],
+                "tps": tokens / seconds,
+                "parts": parts,
+                "mean_len": sum(p["mean_len"] for p in parts) / len(parts),
+                "per_position": [
+                    sum(p["per_position"][i] for p in parts if i < len(p["per_position"]))
+                    / max(1, sum(i < len(p["per_position"]) for p in parts))
+                    for i in range(args.k)
+                ],
+                "runner": runner,
+            }
+        base = per["none"]
+        for name in per:
+            r = per[name]
+            pos, prefix = share(r["outs"], base["outs"])
+            row = {
+                "drafter": name,
+                "batch": batch,
+                "tps": r["tps"],
+                "x_none": r["tps"] / base["tps"],
+                "equal_tokens": pos,
+                "equal_prefix": prefix,
+                "mean_acceptance_length": r["mean_len"] if name != "none" else 1.0,
+                "acceptance_per_position": r["per_position"] if name != "none" else [],
+            }
+            if batch == 1:
+                row["per_kind_x_none"] = {
+                    kinds[i]: r["parts"][i]["tps"] / base["parts"][i]["tps"]
+                    for i in range(len(kinds))
+                }
+            rows.append(row)
+        if batch == 1:
+            results["floors"] = floors(model, base["runner"], base["parts"][0]["step_s"])
+            spec1 = per["ngram"]["tps"]
+            results["specd_batch1_tps"] = {"none": base["tps"], "ngram": spec1}
+        del per
+    if not args.skip_hf:
+        try:
+            hf = hf_reference(
+                loaded.directory, model.dtype, device, base_prompts, args.max_tokens, args.k
+            )
+            results["hf"] = {
+                "plain_tps": hf["plain"]["tps"],
+                "prompt_lookup_tps": hf["prompt_lookup"]["tps"],
+                "prompt_lookup_equal_to_plain": share(
+                    hf["prompt_lookup"]["outs"], hf["plain"]["outs"]
+                )[0],
+            }
+            s1 = results.get("specd_batch1_tps", {})
+            if s1:
+                results["hf"]["specd_ngram_over_hf_plain"] = s1["ngram"] / hf["plain"]["tps"]
+                results["hf"]["specd_ngram_over_hf_prompt_lookup"] = (
+                    s1["ngram"] / hf["prompt_lookup"]["tps"]
+                )
+        except Exception as e:  # report, do not hide
+            results["hf_error"] = repr(e)
+    print(f"batch_invariant={mode} dtype={model.dtype} cuda_graphs={graphs}")
     print(
         "| drafter | batch | tok/s | × none | equal tokens | equal prefix | mean acceptance length |"
     )
     print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r[0]} | {r[1]} | {r[2]:.1f} | {r[3]:.2f} | {r[4]:.4f} | {r[5]:.4f} | {r[6]:.2f} |"
+            f"| {r['drafter']} | {r['batch']} | {r['tps']:.1f} | {r['x_none']:.2f} | "
+            f"{r['equal_tokens']:.4f} | {r['equal_prefix']:.4f} | {r['mean_acceptance_length']:.2f} |"
         )
+    for r in rows:
+        if r["drafter"] == "ngram" and r["batch"] == 1:
+            print(
+                "per kind (× none, batch 1):",
+                json.dumps({k: round(v, 2) for k, v in r["per_kind_x_none"].items()}),
+            )
+            print("acceptance per position:", [round(x, 3) for x in r["acceptance_per_position"]])
+    print("floors:", json.dumps({k: round(v, 4) for k, v in results.get("floors", {}).items()}))
     print(
-        f"HF generate (greedy, batch 1): {hf_tps and round(hf_tps, 1)} tok/s; "
-        f"HF vs specd-none equal share: {results.get('hf_vs_specd_none_share')}"
+        "HF:",
+        json.dumps(
+            {
+                k: round(v, 3) if isinstance(v, float) else v
+                for k, v in results.get("hf", {}).items()
+            }
+        ),
+        results.get("hf_error", ""),
     )
     if args.json_out:
         with open(args.json_out, "w") as f:

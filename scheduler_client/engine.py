@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
-from protocol.messages import SamplingParams
+from protocol.messages import SamplingParams, SchedulerOutput
 from protocol.transport import TransportConfig
 from scheduler_client.grammar import SpecKind, StructuredSpec, make_backend
 from scheduler_client.metrics import RequestMetrics
@@ -133,6 +133,8 @@ class Engine:
             str(c.max_model_len),
             "--max-num-seqs",
             str(c.worker_max_num_seqs),
+            "--parent-pid",
+            str(os.getpid()),
             *c.worker_args,
         ]
         if c.draft_model:
@@ -218,6 +220,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched is None:
             return []
+        t0 = time.perf_counter()
         try:
             result = self.client.step(sched)
         except WorkerDied as e:
@@ -237,6 +240,7 @@ class Engine:
             self.scheduler.step_id = sched.step_id + 1
             self.scheduler.last_done_step = sched.step_id
             return [self.scheduler.requests[r] for r in names if r in self.scheduler.requests]
+        self._observe(sched, time.perf_counter() - t0)
         failed = []
         for err in result.request_errors:
             if err.req_id is not None:
@@ -246,6 +250,15 @@ class Engine:
         if result.drafts is not None:
             self.scheduler.take_drafts(result.drafts)
         return failed + done
+
+    def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
+        """Feed the speculation tuner the cost of a decode-only step (no prefill chunk)."""
+        tuner = self.scheduler.tuner
+        counts = sched.num_scheduled_tokens
+        if tuner is None or not len(counts) or sched.new_requests:
+            return
+        if (counts - sched.num_draft_tokens == 1).all():
+            tuner.observe_step(len(counts), int(counts.max()), seconds)
 
     def _recover(self, cause: WorkerDied) -> None:
         """A new worker (relaunched, or the next one to appear at worker_addr), a new handshake,

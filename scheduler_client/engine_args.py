@@ -25,7 +25,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         help="connect to a running worker at this address instead of launching one",
     )
     ap.add_argument("--model", default="embedded:smollm2", help="model for the launched worker")
-    ap.add_argument("--drafter", default="ngram", choices=("none", "ngram", "draft_model"))
+    ap.add_argument(
+        "--drafter", default="ngram", choices=("none", "ngram", "draft_model", "parallel")
+    )
     ap.add_argument("--draft-model", default=None)
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when present)")

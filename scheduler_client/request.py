@@ -45,6 +45,7 @@ class Request:
     # structured requests: the real ids of those drafts (validated), for the bitmask rows
     grammar_drafts: np.ndarray | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
+    num_judged: int = 0  # drafts the target judged (accepted ones + the first rejected)
 
     @property
     def num_tokens(self) -> int:

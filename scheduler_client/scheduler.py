@@ -23,6 +23,7 @@ from protocol.messages import DraftTokenIds, ModelRunnerOutput, NewRequest, Sche
 from scheduler_client.grammar import GrammarBackend, GrammarError
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
+from scheduler_client.spec_tuner import SpeculationTuner
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
 
@@ -32,6 +33,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_prefill_chunk: int = 512
     forced_drafts: bool = True  # offer grammar-forced tokens as drafts
+    # choose each decode step's draft width from measured goodput (spec_tuner.py); off: always
+    # verify every draft the request has
+    adaptive_speculation: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -76,6 +80,11 @@ class Scheduler:
         self.inflight: dict[str, tuple[int, int]] = {}  # req_id -> (scheduled, drafts) this step
         self.metrics = RequestMetrics()
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
+        self.tuner = (
+            SpeculationTuner(limits.max_num_speculative_tokens)
+            if config.adaptive_speculation and limits.max_num_speculative_tokens
+            else None
+        )
         self.words = (limits.vocab_size + 31) // 32
 
     # -- requests -------------------------------------------------------------------------------
@@ -190,6 +199,7 @@ class Scheduler:
         drafts: list[np.ndarray] = []
         rows: list[tuple[Request, int]] = []  # structured requests that sample, with their width
         self.inflight = {}
+        width_cap = self._batch_width()
 
         def place(req: Request) -> bool:
             nonlocal budget
@@ -198,7 +208,7 @@ class Scheduler:
             if m <= 0:
                 return False
             samples = m == uncomputed
-            w = min(len(req.draft_ids), budget - m) if samples else 0
+            w = min(len(req.draft_ids), budget - m, width_cap) if samples else 0
             req.draft_ids = req.draft_ids[:w]
             budget -= m + w
             ids.append(req.req_id)
@@ -253,6 +263,17 @@ class Scheduler:
         self.step_id += 1
         return out
 
+    def _batch_width(self) -> int:
+        """The most drafts any request verifies this step (the tuner's choice, or no limit)."""
+        if self.tuner is None:
+            return 1 << 30
+        # every running request that samples this step counts (one token each, drafts or not)
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
+        if not any(len(r.draft_ids) for r in decoding):
+            return 0
+        alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
+        return self.tuner.choose(alphas, [len(r.draft_ids) for r in decoding])
+
     def _bitmask(
         self, rows: list[tuple[Request, int]]
     ) -> tuple[list[str], np.ndarray | None, np.ndarray | None]:
@@ -293,7 +314,9 @@ class Scheduler:
             req.grammar_drafts = None
             if not n:
                 continue
-            req.metrics.record_step(int(out.num_draft_tokens[i]), accepted, n)
+            w = int(out.num_draft_tokens[i])
+            req.metrics.record_step(w, accepted, n)
+            req.num_judged += min(w, accepted + 1)
             self._commit(req, tokens)
             if req.finished:
                 done.append(req)
@@ -305,7 +328,7 @@ class Scheduler:
         new: list[int] = []
         for t in tokens:
             if req.matcher is not None and not req.matcher.accept(t):
-                self._emit(req, new)
+                self._emit(req, new, final=True)
                 self._finish(
                     req,
                     "error",
@@ -314,13 +337,13 @@ class Scheduler:
                 )
                 return
             if (t in eos and not req.ignore_eos) or t in sp.stop_token_ids:
-                self._emit(req, new)
+                self._emit(req, new, final=True)
                 self._finish(req, "stop", None)
                 return
             req.output_ids.append(t)
             new.append(t)
             if len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.limits.max_model_len:
-                self._emit(req, new)
+                self._emit(req, new, final=True)
                 self._finish(req, "length", None)
                 return
         self._emit(req, new)
@@ -331,9 +354,9 @@ class Scheduler:
                 req.detok.text = text[: min(hits)]
                 self._finish(req, "stop", None)
 
-    def _emit(self, req: Request, new: list[int]) -> None:
-        if req.detok is not None and new:
-            delta = req.detok.add(new)
+    def _emit(self, req: Request, new: list[int], final: bool = False) -> None:
+        if req.detok is not None and (new or final):
+            delta = req.detok.add(new, final)
             if delta and req.on_delta is not None:
                 req.on_delta(req, delta)
 

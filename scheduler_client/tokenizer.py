@@ -79,11 +79,13 @@ class IncrementalDetokenizer:
     read_offset: int = 0
     text: str = ""
 
-    def add(self, new_ids: list[int]) -> str:
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        """The new text; ``final``: the request ends here, so nothing is held back (an
+        incomplete UTF-8 sequence comes out as U+FFFD, as the full decode would show it)."""
         self.ids.extend(new_ids)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])
         full = self.tokenizer.decode(self.ids[self.prefix_offset :])
-        if full.endswith("\ufffd") or len(full) <= len(prefix):
+        if (full.endswith("\ufffd") and not final) or len(full) <= len(prefix):
             return ""
         delta = full[len(prefix) :]
         self.prefix_offset = self.read_offset

@@ -3,11 +3,13 @@ feeds them to a ``ModelRunner`` and commits what comes back, as the real schedul
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from protocol.messages import DraftTokenIds, NewRequest, SamplingParams, SchedulerOutput
+from scheduler_client.spec_tuner import SpeculationTuner
 from worker.runner import ModelRunner
 
 
@@ -26,9 +28,20 @@ class Req:
     accepted: int = 0
     verified: int = 0
     spec_steps: int = 0  # steps that verified at least one draft
+    judged: int = 0  # drafts the target judged (accepted + the first rejected)
+    # position i -> how often a draft stood there / was accepted (for acceptance per position)
+    drafted_at: list[int] = field(default_factory=list)
+    accepted_at: list[int] = field(default_factory=list)
 
 
-def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str, list[int]]:
+def run(
+    runner: ModelRunner,
+    reqs: list[Req],
+    max_steps: int = 500,
+    tuner: SpeculationTuner | None = None,
+) -> dict[str, list[int]]:
+    """Run ``reqs`` to completion; with ``tuner``, each decode step's draft width is its choice
+    (as the real scheduler does)."""
     pending = sorted(reqs, key=lambda r: r.arrive)
     running: dict[str, Req] = {}
     finished: list[str] = []
@@ -40,6 +53,13 @@ def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str,
             running[r.req_id] = r
             new.append(NewRequest(r.req_id, np.array(r.prompt, np.int32), r.sampling, r.k))
         ids, counts, widths = [], [], []
+        cap = 1 << 30
+        if tuner is not None:
+            deciding = [r for r in running.values() if r.computed >= len(r.prompt)]
+            cap = tuner.choose(
+                [tuner.alpha(r.judged, r.accepted) for r in deciding],
+                [r.drafts for r in deciding],
+            )
         for r in running.values():
             total = len(r.prompt) + len(r.out)
             if r.computed < len(r.prompt):
@@ -48,7 +68,7 @@ def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str,
                     n = min(n, r.chunk)
                 w = 0
             else:
-                w = r.drafts
+                w = min(r.drafts, cap)
                 n = total - r.computed + w
             ids.append(r.req_id)
             counts.append(n)
@@ -64,7 +84,15 @@ def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str,
             aborted_req_ids=[],
             structured_req_ids=[],
         )
+        t0 = time.perf_counter()
         out, rejected = runner.execute(sched)
+        if (
+            tuner is not None
+            and counts
+            and not new
+            and all(c - w == 1 for c, w in zip(counts, widths, strict=True))
+        ):
+            tuner.observe_step(len(counts), max(counts), time.perf_counter() - t0)
         assert not rejected, rejected
         drafts = runner.take_draft_tokens()
         finished = []
@@ -81,6 +109,14 @@ def run(runner: ModelRunner, reqs: list[Req], max_steps: int = 500) -> dict[str,
             r.accepted += int(out.num_accepted[i])
             r.verified += int(out.num_draft_tokens[i])
             r.spec_steps += int(out.num_draft_tokens[i] > 0)
+            w, a = int(out.num_draft_tokens[i]), int(out.num_accepted[i])
+            r.judged += min(w, a + 1)
+            if len(r.drafted_at) < w:
+                r.drafted_at += [0] * (w - len(r.drafted_at))
+                r.accepted_at += [0] * (w - len(r.accepted_at))
+            for j in range(w):
+                r.drafted_at[j] += 1
+                r.accepted_at[j] += j < a
             r.out.extend(toks)
             r.drafts = 0
             if len(r.out) >= r.max_tokens:

@@ -14,8 +14,9 @@ from worker.runner import ModelRunner
 pytestmark = pytest.mark.gpu
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str) -> None:
+def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str, graphs: bool) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
@@ -23,7 +24,9 @@ def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str) -> None:
     ref = reference_copy(target.cpu()).eval()
     target = target.to(dev)
     runner = ModelRunner(
-        ModelExecutor(target, max_num_seqs=4, max_model_len=128),
+        ModelExecutor(
+            target, max_num_seqs=4, max_model_len=128, decode_width=5, cuda_graphs=graphs
+        ),
         NgramDrafter(min_n=1, max_n=3, max_num_tokens=4),
         max_num_seqs=4,
         max_model_len=128,
@@ -34,3 +37,6 @@ def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str) -> None:
     got = run(runner, reqs)
     for r in reqs:
         assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens)
+    decode = runner.target.decode
+    assert decode.num_forwards > 0
+    assert (decode.num_captured > 0) == graphs, "decode steps must replay captured graphs"

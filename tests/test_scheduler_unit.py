@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from protocol.messages import SamplingParams
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
@@ -46,3 +48,25 @@ def test_unsend_puts_a_refused_steps_new_requests_back_in_front() -> None:
     again = s.schedule()
     assert again is not None and [r.req_id for r in again.new_requests] == ["r0", "r2"]
     assert again.num_scheduled_tokens.tolist() == [10, 10]
+
+
+def test_final_text_does_not_depend_on_how_tokens_were_chunked(tmp_path: Path) -> None:
+    """Random byte tokens (invalid UTF-8 included): the text at the end is the same whether the
+    tokens came one at a time or in steps of several (speculative steps commit several)."""
+    import random
+
+    from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
+    from tests.models import save_byte_model
+
+    tok = TokenizerInfo(str(save_byte_model("llama", 1, tmp_path / "m")))
+    rng = random.Random(5)
+    for trial in range(50):
+        ids = [rng.randrange(256) for _ in range(rng.randrange(1, 40))]
+        texts = []
+        for chunk in (1, 2, 3, 5):
+            d = IncrementalDetokenizer(tok)
+            parts = [ids[i : i + chunk] for i in range(0, len(ids), chunk)]
+            for j, part in enumerate(parts):
+                d.add(part, final=j == len(parts) - 1)
+            texts.append(d.text)
+        assert len(set(texts)) == 1, (trial, ids, texts)

@@ -33,7 +33,10 @@ def make_runner(
     else:
         draft = tiny_model(arch, seed=99, layers=1)
         drafter = DraftModelDrafter(
-            ModelExecutor(draft, max_num_seqs=max_num_seqs, max_model_len=MAX_LEN), max_num_tokens=K
+            ModelExecutor(
+                draft, max_num_seqs=max_num_seqs, max_model_len=MAX_LEN, decode_width=1 + K
+            ),
+            max_num_tokens=K,
         )
     return ModelRunner(
         ModelExecutor(
@@ -41,6 +44,7 @@ def make_runner(
             max_num_seqs=max_num_seqs,
             max_model_len=MAX_LEN,
             batch_invariant=batch_invariant,
+            decode_width=1 + K,
         ),
         drafter,
         max_num_seqs=max_num_seqs,
@@ -89,6 +93,7 @@ def test_greedy_speculative_equals_target_greedy(arch: str, drafter_kind: str, b
         assert sum(r.verified for r in reqs) > 0, "no drafts were verified: the test proves nothing"
     # every slot comes back once requests leave
     assert len(runner.states.free_slots) == runner.states.max_num_seqs
+    assert runner.target.decode.num_forwards > 0, "no step took the padded decode layout"
 
 
 def test_ngram_accepts_on_repetitive_text() -> None:
@@ -214,3 +219,29 @@ def test_a_refused_step_leaves_nothing_behind() -> None:
         assert not runner.states.slot_of, "a refused step must not keep its new requests"
     out, _ = runner.execute(step([0, 1], 1))
     assert out.num_sampled.tolist() == [1, 1]
+
+
+def test_padded_decode_layout_matches_the_ragged_forward() -> None:
+    """The same decode step (widths 1, 3 and 5; different histories) through the padded layout
+    and through the ragged path: same logits (float32, CPU)."""
+    torch.manual_seed(3)
+    model = tiny_model("llama", seed=3)
+    ex = ModelExecutor(model, max_num_seqs=4, max_model_len=MAX_LEN, decode_width=5)
+    prompts_ = [list(range(3, 3 + n)) for n in (7, 11, 4)]
+    slots = [2, 0, 3]
+    for slot, p in zip(slots, prompts_, strict=True):  # prefill each (ragged: longer than 5)
+        ids = torch.tensor(p + [1] * 3)
+        ex.forward(ids, torch.arange(len(ids)), [slot], [0], [len(ids)], torch.tensor([0]))
+    widths = [1, 3, 5]
+    starts = [len(p) for p in prompts_]
+    ids = torch.tensor([5, 6, 7, 8, 9, 10, 11, 12, 13])
+    positions = torch.tensor([s + j for s, w in zip(starts, widths, strict=True) for j in range(w)])
+    rows = torch.arange(9)
+    assert ex.decode.fits(widths, starts)
+    n0 = ex.decode.num_forwards
+    dense, _ = ex.forward(ids, positions, slots, starts, widths, rows)
+    assert ex.decode.num_forwards == n0 + 1
+    ex.decode.width = 1  # the same step must now take the ragged path
+    assert not ex.decode.fits(widths, starts)
+    ragged, _ = ex.forward(ids, positions, slots, starts, widths, rows)
+    torch.testing.assert_close(dense, ragged, rtol=1e-5, atol=1e-5)

@@ -36,6 +36,66 @@ class AttentionMetadata:
     fp32: bool = False  # attention math in float32
 
 
+@dataclass
+class DenseMetadata:
+    """A decode-shaped forward (see ``decode_graphs.py``): ``num_reqs`` requests of ``width``
+    tokens each, request-major, then padding tokens. Tensors only, so a CUDA graph can replay it."""
+
+    kv_cache: KVCache
+    slot_mapping: torch.Tensor  # [num_tokens] flat cache row of each token
+    slot_idx: torch.Tensor  # [num_reqs] cache slot of each request row
+    mask: torch.Tensor  # [num_reqs, 1, query_rows, max_len] bool
+    num_reqs: int
+    width: int
+    query_rows: int  # >= width: queries padded to this many rows (batch invariance)
+    max_len: int  # keys read per request
+    fp32: bool = False
+
+
+def build_dense_metadata(
+    kv_cache: KVCache,
+    positions: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    slot_idx: torch.Tensor,
+    *,
+    num_reqs: int,
+    width: int,
+    max_len: int,
+    query_rows: int,
+    fp32: bool,
+) -> DenseMetadata:
+    """Query (r, j) at position p sees keys 0..p of its own slot; padded query rows see key 0."""
+    pos = positions[: num_reqs * width].view(num_reqs, width)
+    rows = max(query_rows, width)
+    if rows > width:
+        pos = F.pad(pos, (0, rows - width))
+    keys = torch.arange(max_len, device=positions.device)
+    mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [num_reqs, 1, rows, max_len]
+    return DenseMetadata(
+        kv_cache, slot_mapping, slot_idx, mask, num_reqs, width, rows, max_len, fp32
+    )
+
+
+def _dense_attention(
+    meta: DenseMetadata, layer: int, query: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    """query [1, heads, T, D] -> [1, T, heads, D]; rows past num_reqs * width come out zero."""
+    b, w = meta.num_reqs, meta.width
+    heads, d = query.shape[1], query.shape[3]
+    q = query[0, :, : b * w].reshape(heads, b, w, d).transpose(0, 1)  # [B, heads, W, D]
+    if meta.query_rows > w:
+        q = F.pad(q, (0, 0, 0, meta.query_rows - w))
+    k, v = meta.kv_cache.gather(layer, meta.slot_idx, meta.max_len)  # [B, kv_heads, L, D]
+    if meta.fp32:
+        q, k, v = q.float(), k.float(), v.float()
+    o = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=meta.mask, scale=scaling, enable_gqa=True
+    )  # [B, heads, rows, D]
+    out = query.new_zeros(query.shape[2], heads, d)  # [T, heads, D]
+    out[: b * w] = o[:, :, :w].transpose(1, 2).reshape(b * w, heads, d).to(out.dtype)
+    return out[None]
+
+
 def _causal_mask(start: int, n: int, rows: int, device: torch.device) -> torch.Tensor:
     """[rows, start + n]: row j < n sees keys 0 .. start + j; padding rows see key 0 only."""
     q_pos = torch.arange(start, start + rows, device=device)
@@ -91,8 +151,14 @@ def specd_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, D]; key, value [1, kv_heads, T, D] -> output [1, T, heads, D]."""
     meta = kwargs.get("specd_meta")
-    assert isinstance(meta, AttentionMetadata), "call the model with specd_meta=AttentionMetadata"
     layer = module.layer_idx  # type: ignore[attr-defined]
+    if isinstance(meta, DenseMetadata):
+        # NOTE: the new keys go into the cache before the gather reads them back.
+        meta.kv_cache.write(
+            layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1)
+        )
+        return _dense_attention(meta, layer, query, scaling), None
+    assert isinstance(meta, AttentionMetadata), "call the model with specd_meta=AttentionMetadata"
     cache = meta.kv_cache
     cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
     out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]

@@ -9,7 +9,7 @@ from protocol.options import add_log_args, parse_with_config
 from protocol.transport import TransportConfig, check_security, validate_address
 from worker.model_loader import EMBEDDED_MODEL
 
-DRAFTERS = ("none", "ngram", "draft_model")
+DRAFTERS = ("none", "ngram", "draft_model", "parallel")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,8 @@ class WorkerConfig:
     peer_timeout_s: float = 60.0
     curve_secret: str | None = None
     curve_authorized: str | None = None
+    parent_pid: int | None = None
+    enforce_eager: bool = False
 
     def transport(self) -> TransportConfig:
         return TransportConfig(
@@ -43,10 +45,10 @@ class WorkerConfig:
             raise ValueError(
                 f"--drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}"
             )
-        if self.drafter == "draft_model" and not self.draft_model:
-            raise ValueError("--drafter draft_model needs --draft-model PATH")
-        if self.drafter != "draft_model" and self.draft_model:
-            raise ValueError("--draft-model is only used with --drafter draft_model")
+        if self.drafter in ("draft_model", "parallel") and not self.draft_model:
+            raise ValueError(f"--drafter {self.drafter} needs --draft-model PATH")
+        if self.drafter not in ("draft_model", "parallel") and self.draft_model:
+            raise ValueError("--draft-model is only used with --drafter draft_model or parallel")
         if not 0 <= self.num_speculative_tokens <= 15:
             raise ValueError("--num-speculative-tokens must be between 0 and 15")
         if not 1 <= self.ngram_min <= self.ngram_max:
@@ -89,7 +91,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         help=f"target: {EMBEDDED_MODEL}, a transformers directory, or a .gguf file",
     )
     ap.add_argument("--drafter", default=d.drafter, choices=DRAFTERS, help="how drafts are made")
-    ap.add_argument("--draft-model", default=None, help="draft model (with --drafter draft_model)")
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        help="draft model (with --drafter draft_model, or parallel: a model trained for "
+        "parallel drafting whose config names a mask token)",
+    )
     ap.add_argument(
         "--num-speculative-tokens",
         type=int,
@@ -133,6 +140,18 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     )
     add_log_args(ap)
     ap.add_argument(
+        "--parent-pid",
+        type=int,
+        default=None,
+        help="stop when this process (the scheduler that launched the worker) is gone; "
+        "set by the scheduler when it launches a worker",
+    )
+    ap.add_argument(
+        "--enforce-eager",
+        action="store_true",
+        help="no CUDA graphs: run decode steps eagerly (as vLLM's flag of that name)",
+    )
+    ap.add_argument(
         "--metrics-port",
         type=int,
         default=d.metrics_port,
@@ -165,4 +184,6 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         peer_timeout_s=a.peer_timeout,
         curve_secret=a.curve_secret,
         curve_authorized=a.curve_authorized,
+        parent_pid=a.parent_pid,
+        enforce_eager=a.enforce_eager,
     )

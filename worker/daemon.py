@@ -8,6 +8,7 @@ logged, reported to the scheduler with ``fatal=True``, and the process exits 1).
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -34,6 +35,7 @@ from worker.config import WorkerConfig, parse_args
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.ngram import NgramDrafter
+from worker.drafters.parallel import ParallelDrafter
 from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor
 from worker.model_loader import load_model
@@ -55,7 +57,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     drafter: Drafter = NoDrafter()
     if cfg.drafter == "ngram" and k:
         drafter = NgramDrafter(min_n=cfg.ngram_min, max_n=cfg.ngram_max, max_num_tokens=k)
-    elif cfg.drafter == "draft_model" and k:
+    elif cfg.drafter in ("draft_model", "parallel") and k:
         assert cfg.draft_model is not None
         log.info("loading draft %s", cfg.draft_model)
         draft = load_model(cfg.draft_model, device=device, dtype=dtype)
@@ -64,21 +66,33 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             > target.model.config.get_text_config().vocab_size
         ):
             raise ValueError("the draft model's vocabulary is larger than the target's")
-        drafter = DraftModelDrafter(
-            ModelExecutor(
-                draft.model,
-                max_num_seqs=cfg.max_num_seqs,
-                max_model_len=cfg.max_model_len,
-                batch_invariant=invariant,
-            ),
-            max_num_tokens=k,
+        draft_executor = ModelExecutor(
+            draft.model,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            batch_invariant=invariant,
+            decode_width=1 + k,
+            cuda_graphs=not cfg.enforce_eager,
+        )
+        drafter = (
+            DraftModelDrafter(draft_executor, max_num_tokens=k)
+            if cfg.drafter == "draft_model"
+            else ParallelDrafter(draft_executor, max_num_tokens=k)
         )
     executor = ModelExecutor(
         target.model,
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=cfg.max_model_len,
         batch_invariant=invariant,
+        decode_width=1 + k,
+        cuda_graphs=not cfg.enforce_eager,
     )
+    if executor.decode.use_graphs:
+        t1 = time.monotonic()
+        n = executor.decode.capture_all()
+        if isinstance(drafter, DraftModelDrafter | ParallelDrafter):
+            n += drafter.executor.decode.capture_all()
+        log.info("captured %d decode graphs in %.1f s", n, time.monotonic() - t1)
     runner = ModelRunner(
         executor,
         drafter,
@@ -122,8 +136,10 @@ class WorkerLoop:
         ready: WorkerReady,
         metrics: WorkerMetrics | None = None,
         peer_timeout_s: float = 60.0,
+        parent_pid: int | None = None,
     ) -> None:
         self.metrics = metrics or WorkerMetrics()
+        self.parent_pid = parent_pid  # stop when this process is no longer our parent
         self.peer_timeout_s = peer_timeout_s
         self.peer_seen = 0.0
         self.chan = chan
@@ -137,6 +153,9 @@ class WorkerLoop:
         while not self.stopping:
             frames = self.chan.recv_frames(timeout_ms=200)
             if frames is None:
+                if self.parent_pid is not None and os.getppid() != self.parent_pid:
+                    log.warning("the scheduler that launched this worker is gone: stopping")
+                    return EXIT_OK
                 self.check_peer()
                 continue
             identity = frames[0].bytes
@@ -272,7 +291,14 @@ def main(argv: list[str] | None = None) -> int:
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
             log.info("Prometheus metrics on :%d/metrics", cfg.metrics_port)
-        loop = WorkerLoop(chan, runner, ready, metrics, peer_timeout_s=cfg.peer_timeout_s)
+        loop = WorkerLoop(
+            chan,
+            runner,
+            ready,
+            metrics,
+            peer_timeout_s=cfg.peer_timeout_s,
+            parent_pid=cfg.parent_pid,
+        )
 
         def stop(signum: int, _frame: object) -> None:
             log.info("signal %d: stopping", signum)

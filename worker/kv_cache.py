@@ -44,6 +44,19 @@ class KVCache:
         self.keys[layer].index_copy_(0, slot_mapping, k)
         self.values[layer].index_copy_(0, slot_mapping, v)
 
+    def gather(
+        self, layer: int, slot_idx: torch.Tensor, length: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the first ``length`` positions of each slot in ``slot_idx`` [B]:
+        [B, num_kv_heads, length, head_dim] each (a copy; graph-safe: no host values)."""
+        rows = self.max_num_seqs + 1
+        keys = self.keys[layer].view(rows, self.max_model_len, *self.keys[layer].shape[1:])
+        values = self.values[layer].view(rows, self.max_model_len, *self.values[layer].shape[1:])
+        return (
+            keys[slot_idx, :length].transpose(1, 2),
+            values[slot_idx, :length].transpose(1, 2),
+        )
+
     def view(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values of one request's first ``length`` positions: [length, heads, head_dim]."""
         start = slot * self.max_model_len

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 from transformers import PreTrainedModel
 
-from worker.attention import build_metadata
+from worker.attention import ATTN_IMPLEMENTATION, build_dense_metadata, build_metadata
+from worker.decode_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 
 BATCH_INVARIANT_MODES = ("off", "pad", "pad-fp32")
@@ -23,14 +24,25 @@ class ModelExecutor:
         max_num_seqs: int,
         max_model_len: int,
         batch_invariant: str = "off",
+        decode_width: int = 1,
+        cuda_graphs: bool = True,
     ) -> None:
         """``batch_invariant``: "off"; "pad" rounds every forward up to a multiple of
         ``TOKEN_BUCKET`` tokens and pads each request's queries to ``QUERY_PAD`` rows, so a token's
         arithmetic does not depend on how many tokens share its forward (drafts or not); "pad-fp32"
-        also runs attention in float32. Needed for bf16 on GPU; float32 on CPU is exact without."""
+        also runs attention in float32. Needed for bf16 on GPU; float32 on CPU is exact without.
+
+        ``decode_width``: the most tokens a request runs in a decode step (1 + its drafts). Steps
+        where every request runs 1..decode_width tokens take the padded layout of
+        ``DecodeGraphs`` (replayed from CUDA graphs on GPU unless ``cuda_graphs`` is False)."""
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}")
         self.batch_invariant = batch_invariant
+        if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+            raise ValueError(
+                f"the model must use attn_implementation={ATTN_IMPLEMENTATION!r} (load it with "
+                "worker.model_loader.load_model): other attention ignores the worker's KV cache"
+            )
         cfg = model.config.get_text_config()
         self.model = model
         self.device = next(model.parameters()).device
@@ -49,6 +61,50 @@ class ModelExecutor:
         self.backbone = model.get_decoder()
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.lm_head = model.get_output_embeddings()
+        invariant = batch_invariant != "off"
+        self.decode = DecodeGraphs(
+            self._dense_forward,
+            self.kv_cache,
+            width=max(decode_width, 1),
+            device=self.device,
+            use_graphs=cuda_graphs,
+            token_bucket=TOKEN_BUCKET if invariant else 1,
+        )
+
+    def _dense_forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        slot_idx: torch.Tensor,
+        num_reqs: int,
+        width: int,
+        max_len: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The padded decode layout: every tensor argument is a static buffer (graph-safe).
+        Returns logits [T, vocab] float32 for every row and hidden states [T, hidden]."""
+        invariant = self.batch_invariant != "off"
+        meta = build_dense_metadata(
+            self.kv_cache,
+            positions,
+            slot_mapping,
+            slot_idx,
+            num_reqs=num_reqs,
+            width=width,
+            max_len=max_len,
+            query_rows=QUERY_PAD if invariant else 0,
+            fp32=self.batch_invariant == "pad-fp32",
+        )
+        out = self.backbone(
+            input_ids=input_ids[None],
+            position_ids=positions[None],
+            attention_mask=self._placeholder_mask,
+            use_cache=False,
+            specd_meta=meta,
+        )
+        hidden = out.last_hidden_state[0]  # [T, hidden]
+        logits = self.lm_head(hidden).float()[:, : self.vocab_size]  # [T, vocab]
+        return logits, hidden
 
     @torch.inference_mode()
     def forward(
@@ -65,6 +121,10 @@ class ModelExecutor:
         input_ids, positions: [num_tokens_total]; logits_indices: [num_logits] rows to project.
         Returns (logits [num_logits, vocab] float32, hidden states [num_tokens_total, hidden]).
         """
+        if self.decode.fits(num_tokens, start_positions):
+            return self.decode.forward(
+                input_ids, slots, start_positions, num_tokens, logits_indices
+            )
         pad = 0
         if self.batch_invariant != "off":
             total = len(input_ids)

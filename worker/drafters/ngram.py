@@ -5,23 +5,32 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-from numpy.lib.stride_tricks import sliding_window_view
 
 from worker.drafters.base import Drafter, Proposal
 from worker.requests import RequestStates
 
 
 def ngram_lookup(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
-    """Up to ``k`` tokens that followed the latest earlier match of the longest suffix n-gram."""
+    """Up to ``k`` tokens that followed the latest earlier match of the longest suffix n-gram.
+
+    Candidates are the earlier positions e holding the last token; each longer n keeps those whose
+    n - 1 preceding tokens match too, so the work shrinks with n instead of rescanning."""
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        windows = sliding_window_view(tokens[: length - 1], n)  # starts 0 .. length - 1 - n
-        hits = np.flatnonzero((windows == suffix).all(axis=1))
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start : start + k]
-    return tokens[:0]
+    if length < 2:
+        return tokens[:0]
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # e <= length - 2
+    best: np.ndarray | None = ends if min_n <= 1 and len(ends) else None
+    for n in range(2, min(max_n, length - 1) + 1):
+        ends = ends[ends >= n - 1]
+        ends = ends[tokens[ends - (n - 1)] == tokens[length - n]]
+        if not len(ends):
+            break
+        if n >= min_n:
+            best = ends
+    if best is None:
+        return tokens[:0]
+    start = int(best[-1]) + 1
+    return tokens[start : start + k]
 
 
 class NgramDrafter(Drafter):

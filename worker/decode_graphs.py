@@ -1,0 +1,222 @@
+"""Decode-shaped forwards as one padded ``[batch, width]`` layout, replayed from CUDA graphs on GPU.
+
+A step in which every request runs 1..W tokens (its last token plus up to W - 1 drafts) and none is
+prefilling has a shape known in advance: a batch bucket, the step's width w (its widest request,
+so a step whose drafts were cut to fewer, or to none, costs what a narrower step costs) and a
+context-length bucket. The layout pads every request to w tokens and the batch to its bucket; padding tokens write their keys
+where nothing reads them (past the request's own positions, or the scratch slot) and their outputs
+are dropped. On CUDA each (batch bucket, length bucket) is captured once into a graph and then
+replayed: one launch for the whole model instead of a dozen Python-issued kernels per layer.
+Shapes are captured on first use.
+
+Host inputs travel in one pinned buffer and one non-blocking copy; before the host rewrites that
+buffer it waits on the event of the previous copy (the copy may still be reading it).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from worker.kv_cache import KVCache
+
+log = logging.getLogger("specd.worker")
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+MIN_LEN_BUCKET = 256
+
+# (input_ids [T], positions [T], slot_mapping [T], slot_idx [B], num_reqs, width, max_len)
+#   -> (logits [T, vocab] float32, hidden [T, hidden])
+DenseForward = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int, int],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+@dataclass
+class _Shape:
+    """Buffers (and on CUDA the graph) of one (batch bucket, width, length bucket)."""
+
+    num_reqs: int  # batch bucket
+    width: int  # tokens per request
+    max_len: int  # keys attended per request
+    num_tokens: int  # T: num_reqs * width, rounded up to the token bucket
+    # device int64: ids [T] | positions [T] | slot_mapping [T] | slot_idx [B] | dest [B * width]
+    inputs: torch.Tensor
+    staging: torch.Tensor  # its host twin (pinned on CUDA)
+    copied: torch.cuda.Event | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+
+    def split(self, t: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        n, b = self.num_tokens, self.num_reqs
+        return t[:n], t[n : 2 * n], t[2 * n : 3 * n], t[3 * n : 3 * n + b], t[3 * n + b :]
+
+
+class DecodeGraphs:
+    """Owned by one ``ModelExecutor``: it calls ``fits`` and then ``forward`` for decode steps."""
+
+    def __init__(
+        self,
+        dense_forward: DenseForward,
+        kv_cache: KVCache,
+        *,
+        width: int,
+        device: torch.device,
+        use_graphs: bool,
+        token_bucket: int = 1,
+    ) -> None:
+        self.dense_forward = dense_forward
+        self.kv_cache = kv_cache
+        self.width = width  # the widest a request may be
+        self.device = device
+        self.use_graphs = use_graphs and device.type == "cuda"
+        self.token_bucket = token_bucket
+        self._shapes: dict[tuple[int, int, int], _Shape] = {}
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.num_captured = 0
+        self.num_forwards = 0
+
+    def fits(self, num_tokens: list[int], start_positions: list[int]) -> bool:
+        if not num_tokens or len(num_tokens) > self.kv_cache.max_num_seqs:
+            return False
+        if max(num_tokens) > self.width or min(num_tokens) < 1:
+            return False
+        return max(start_positions) + self.width <= self.kv_cache.max_model_len
+
+    def _buckets(self, num_reqs: int, start_positions: list[int]) -> tuple[int, int]:
+        # fits() keeps num_reqs <= max_num_seqs, so the bucket is capped there
+        b = min(
+            next((x for x in BATCH_BUCKETS if x >= num_reqs), num_reqs), self.kv_cache.max_num_seqs
+        )
+        need = max(start_positions) + self.width
+        length = MIN_LEN_BUCKET
+        while length < need:
+            length *= 2
+        return b, min(length, self.kv_cache.max_model_len)
+
+    def _shape(self, num_reqs: int, w: int, max_len: int) -> _Shape:
+        key = (num_reqs, w, max_len)
+        shape = self._shapes.get(key)
+        if shape is not None:
+            return shape
+        tb = self.token_bucket
+        n = -(-num_reqs * w // tb) * tb
+        size = 3 * n + num_reqs + num_reqs * w
+        inputs = torch.zeros(size, dtype=torch.long, device=self.device)
+        pin = self.device.type == "cuda"
+        staging = torch.zeros(size, dtype=torch.long, pin_memory=pin)
+        shape = _Shape(num_reqs, w, max_len, n, inputs, staging)
+        self._shapes[key] = shape
+        if self.use_graphs:
+            self._capture(shape)
+        return shape
+
+    def capture_all(self, max_context: int = MIN_LEN_BUCKET) -> int:
+        """Capture every batch bucket and width for every length bucket up to ``max_context``
+        now (a daemon does this for the shortest bucket before it reports ready, so the first
+        requests do not pay for captures; longer contexts are captured when first met).
+        Returns how many shapes exist."""
+        if not self.use_graphs:
+            return 0
+        lengths = {self._buckets(1, [max(n - self.width, 0)])[1] for n in (1, max_context)}
+        length = MIN_LEN_BUCKET
+        while length < max(lengths):
+            lengths.add(min(length, self.kv_cache.max_model_len))
+            length *= 2
+        for max_len in sorted(lengths):
+            for b in sorted({min(x, self.kv_cache.max_num_seqs) for x in BATCH_BUCKETS}):
+                for w in range(1, self.width + 1):
+                    self._shape(b, w, max_len)
+        return len(self._shapes)
+
+    def _fill_padding(self, shape: _Shape, num_reqs: int) -> None:
+        """Rows past the real requests: dummy requests on the scratch slot, then token padding."""
+        cache, w = self.kv_cache, shape.width
+        ids, pos, slot_mapping, slot_idx, _dest = (t.numpy() for t in shape.split(shape.staging))
+        scratch = cache.scratch_slot * cache.max_model_len
+        t = np.arange(w)
+        pos[num_reqs * w : shape.num_reqs * w] = np.tile(t, shape.num_reqs - num_reqs)
+        slot_mapping[num_reqs * w : shape.num_reqs * w] = (
+            scratch + pos[num_reqs * w : shape.num_reqs * w]
+        )
+        tail = shape.num_tokens - shape.num_reqs * w
+        pos[shape.num_reqs * w :] = 0
+        slot_mapping[shape.num_reqs * w :] = scratch + np.arange(tail) % cache.max_model_len
+        slot_idx[num_reqs:] = cache.scratch_slot
+        ids[:] = 0
+
+    def _capture(self, shape: _Shape) -> None:
+        """Warm up on a side stream, then capture; the dummy inputs only touch the scratch slot."""
+        self._fill_padding(shape, 0)
+        shape.inputs.copy_(shape.staging)
+        torch.cuda.synchronize(self.device)
+        args = (*shape.split(shape.inputs)[:4], shape.num_reqs, shape.width, shape.max_len)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.dense_forward(*args)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            shape.logits, shape.hidden = self.dense_forward(*args)
+        shape.graph = graph
+        self.num_captured += 1
+        log.debug(
+            "captured a decode graph: batch %d, width %d, length %d",
+            shape.num_reqs,
+            shape.width,
+            shape.max_len,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        slots: list[int],
+        start_positions: list[int],
+        num_tokens: list[int],
+        logits_indices: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as ``ModelExecutor.forward`` for a step that ``fits``: input_ids
+        [num_tokens_total] flat; returns (logits [num_logits, vocab], hidden [num_tokens_total, H])."""
+        num_reqs = len(slots)
+        self.num_forwards += 1
+        w = max(num_tokens)
+        b, max_len = self._buckets(num_reqs, start_positions)
+        shape = self._shape(b, w, max_len)
+        if shape.copied is not None:
+            shape.copied.synchronize()  # the last copy out of the staging buffer has finished
+        cache = self.kv_cache
+        _ids, pos, slot_mapping, slot_idx, dest = (t.numpy() for t in shape.split(shape.staging))
+        self._fill_padding(shape, num_reqs)
+        starts = np.asarray(start_positions, np.int64)
+        slots_np = np.asarray(slots, np.int64)
+        real = (starts[:, None] + np.arange(w)).ravel()  # [num_reqs * W]
+        pos[: num_reqs * w] = real
+        slot_mapping[: num_reqs * w] = np.repeat(slots_np, w) * cache.max_model_len + real
+        slot_idx[:num_reqs] = slots_np
+        # flat token f of request r at offset j -> padded row r * W + j
+        counts = np.asarray(num_tokens, np.int64)
+        cu = np.concatenate([[0], np.cumsum(counts)])
+        total = int(cu[-1])
+        dest[:total] = np.repeat(np.arange(num_reqs) * w - cu[:-1], counts) + np.arange(total)
+        shape.inputs.copy_(shape.staging, non_blocking=True)
+        if self.device.type == "cuda":
+            shape.copied = torch.cuda.Event()
+            shape.copied.record()
+        d_ids, d_pos, d_map, d_slots, d_dest = shape.split(shape.inputs)
+        d_dest = d_dest[:total]
+        d_ids[d_dest] = input_ids
+        if shape.graph is not None:
+            shape.graph.replay()
+            logits, hidden = shape.logits, shape.hidden
+            assert logits is not None and hidden is not None
+        else:
+            logits, hidden = self.dense_forward(d_ids, d_pos, d_map, d_slots, b, w, max_len)
+        return logits[d_dest[logits_indices]], hidden[d_dest]

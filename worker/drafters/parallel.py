@@ -1,0 +1,111 @@
+"""Parallel drafting with a mask token (PARD-style): one draft-model forward proposes k drafts.
+
+The draft model is trained to predict several future tokens at once: after the committed sequence
+it reads k - 1 mask tokens (the id from ``get_parallel_drafting_token_id`` on its config). The
+logits at the last committed token give draft 1 and those at mask i give draft i + 1, so one
+forward yields k drafts. The masks' keys land in the draft cache after the committed tokens and are
+never kept: the cache's valid length stays the committed length, and the next forward overwrites
+them. Greedy picks (argmax); for sampled requests the draft distributions travel with the drafts so
+verification stays exact.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.drafters.base import Drafter, Proposal
+from worker.model_executor import ModelExecutor
+from worker.requests import RequestStates
+from worker.sampling import probs_from_logits, sample_from
+from worker.spec_utils import get_parallel_drafting_token_id
+
+
+class ParallelDrafter(Drafter):
+    name = "parallel"
+
+    def __init__(self, executor: ModelExecutor, *, max_num_tokens: int) -> None:
+        self.executor = executor
+        self.max_num_tokens = max_num_tokens
+        self.mask_token_id = get_parallel_drafting_token_id(executor.model.config)
+        if not 0 <= self.mask_token_id < executor.vocab_size:
+            raise ValueError(
+                f"the parallel-drafting mask token {self.mask_token_id} is outside the draft "
+                f"model's vocabulary of {executor.vocab_size}"
+            )
+        # slot -> committed tokens whose keys are in the draft cache (a prefix of the sequence)
+        self.num_computed = np.zeros(executor.kv_cache.max_num_seqs, np.int64)
+        self.num_forwards = 0
+
+    def remove(self, slot: int) -> None:
+        self.num_computed[slot] = 0
+
+    def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
+        ex = self.executor
+        device = ex.device
+        kmax = max(widths, default=0)
+        out = torch.zeros(
+            (
+                len(slots),
+                max(kmax, 1),
+            ),
+            dtype=torch.long,
+            device=device,
+        )
+        active = [i for i, k in enumerate(widths) if k > 0]
+        sampled = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
+        probs = (
+            torch.zeros((len(slots), max(kmax, 1), ex.vocab_size), device=device)
+            if sampled
+            else None
+        )
+        if not active:
+            return Proposal(out, [0] * len(slots), probs)
+        ids: list[np.ndarray] = []
+        starts, counts, rows = [], [], []
+        flat = 0
+        for i in active:
+            slot, k = slots[i], widths[i]
+            tokens = states.tokens(slot)
+            # Drafts the target rejected were never fed here: only committed tokens enter the
+            # cache, so a valid prefix is all that is kept between steps.
+            start = min(int(self.num_computed[slot]), len(tokens) - 1)
+            new = tokens[start:]
+            ids.append(new)
+            ids.append(np.full(k - 1, self.mask_token_id, np.int32))
+            starts.append(start)
+            counts.append(len(new) + k - 1)
+            last = flat + len(new) - 1
+            rows.extend(range(last, last + k))  # the last committed token, then each mask
+            flat += len(new) + k - 1
+            self.num_computed[slot] = len(tokens)
+        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(device)
+        positions = torch.from_numpy(
+            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
+        ).to(device)
+        step_slots = [slots[i] for i in active]
+        logits, _ = ex.forward(
+            input_ids, positions, step_slots, starts, counts, torch.tensor(rows, device=device)
+        )  # [sum of k over active, vocab]
+        self.num_forwards += 1
+        off = 0
+        for i in active:
+            k = widths[i]
+            block = logits[off : off + k]  # [k, vocab]
+            off += k
+            params = states.sampling[slots[i]]
+            if params.temperature == 0:  # type: ignore[union-attr]
+                out[i, :k] = block.argmax(-1)
+                continue
+            n = block.shape[0]
+            q = probs_from_logits(
+                block,
+                torch.full((n,), params.temperature, device=device),  # type: ignore[union-attr]
+                torch.full((n,), params.top_k, device=device),  # type: ignore[union-attr]
+                torch.full((n,), params.top_p, device=device),  # type: ignore[union-attr]
+            )
+            u = torch.rand(n, generator=params.generator, device=device)  # type: ignore[union-attr]
+            out[i, :k] = sample_from(q, u)
+            assert probs is not None
+            probs[i, :k] = q
+        return Proposal(out, list(widths), probs)
