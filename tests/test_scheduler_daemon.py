@@ -275,3 +275,21 @@ def test_openai_bodies_become_engine_requests() -> None:
     ]:
         with pytest.raises(ApiError, match=message):
             engine_request(body, chat="messages" in body, max_model_len=9)
+
+
+def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path) -> None:
+    d = start_daemon(tmp_path, model)
+    children = subprocess.run(
+        ["pgrep", "-P", str(d.proc.pid)], capture_output=True, text=True, timeout=10
+    ).stdout.split()
+    assert len(children) == 1, children
+    worker = int(children[0])
+    d.proc.kill()  # no drain, no Shutdown message: the worker must notice on its own
+    d.proc.wait(timeout=30)
+    deadline = time.monotonic() + 10
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    status = Path(f"/proc/{worker}/status")
+    gone = not status.exists() or "zombie" in status.read_text()
+    assert gone, "the launched worker outlived its scheduler"
+    assert "is gone: stopping" in (tmp_path / "worker.log").read_text()
