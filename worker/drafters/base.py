@@ -5,9 +5,11 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from worker.requests import RequestStates
+from worker.sampling import probs_from_logits, sample_from
 
 
 @dataclass
@@ -29,12 +31,43 @@ class Drafter(ABC):
     """
 
     name: str = "none"
+    # True: the runner calls ``observe`` with the target's hidden states of committed positions
+    needs_hidden_states: bool = False
 
     @abstractmethod
     def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal: ...
 
     def remove(self, slot: int) -> None:  # noqa: B027 - most drafters keep no per-request state
         pass
+
+    def observe(  # noqa: B027 - only drafters that read the target's hidden states
+        self, slots: np.ndarray, positions: np.ndarray, hidden: torch.Tensor
+    ) -> None:
+        """The target's hidden states [N, H] at (slot, position) pairs that are now committed."""
+
+
+def choose_tokens(
+    states: RequestStates, slots: list[int], logits: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One draft per row of ``logits`` [N, V] (row i belongs to ``slots[i]``): the argmax for
+    greedy requests, a sample from q (with the request's own generator) for the others; returns
+    (tokens [N], q [N, V] or None when every row is greedy)."""
+    picked = logits.argmax(-1)
+    params = [states.sampling[s] for s in slots]
+    if all(p.temperature == 0 for p in params):  # type: ignore[union-attr]
+        return picked, None
+    device = logits.device
+    q = probs_from_logits(
+        logits,
+        torch.tensor([max(p.temperature, 1e-5) for p in params], device=device),  # type: ignore[union-attr]
+        torch.tensor([p.top_k for p in params], device=device),  # type: ignore[union-attr]
+        torch.tensor([p.top_p for p in params], device=device),  # type: ignore[union-attr]
+    )
+    u = torch.stack(
+        [torch.rand((), generator=p.generator, device=device) for p in params]  # type: ignore[union-attr]
+    )
+    greedy = torch.tensor([p.temperature == 0 for p in params], device=device)  # type: ignore[union-attr]
+    return torch.where(greedy, picked, sample_from(q, u)), q
 
 
 class NoDrafter(Drafter):

@@ -1,0 +1,160 @@
+"""The EAGLE-style drafter: a trained head (``worker/eagle_head.py``) on the target's hidden states.
+
+Per request the head keeps its own KV cache over the pairs (f_t, x_{t+1}) of the committed sequence:
+f_t is the target's hidden state at position t (given by the runner through ``observe`` once the
+position is committed), x_{t+1} the next committed token. With L committed tokens the target has
+given f_0 .. f_{L-2}; ``propose`` first catches the head up to pair L-2 (one ragged forward for
+every request), whose output predicts f_{L-1} and, through the target's LM head, draft 1. Each
+further draft feeds back (predicted hidden, previous draft). Draft pairs sit past the committed
+pairs in the head's cache and are dropped by keeping its length at L-1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from worker.attention import build_metadata
+from worker.drafters.base import Drafter, Proposal, choose_tokens
+from worker.eagle_head import EagleHead
+from worker.kv_cache import KVCache
+from worker.requests import RequestStates
+
+
+class EagleDrafter(Drafter):
+    name = "eagle"
+    needs_hidden_states = True
+
+    def __init__(
+        self,
+        head: EagleHead,
+        target: torch.nn.Module,
+        *,
+        vocab_size: int,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_tokens: int,
+    ) -> None:
+        cfg = head.config
+        param = next(head.parameters())
+        self.head = head
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.vocab_size = vocab_size
+        self.max_num_tokens = max_num_tokens
+        self.device = param.device
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kv_cache = KVCache(
+            num_layers=1,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=head_dim,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            dtype=param.dtype,
+            device=self.device,
+        )
+        # [slot, position, H] the target's hidden states of committed positions
+        self.features = torch.zeros(
+            (max_num_seqs, max_model_len, cfg.hidden_size), dtype=param.dtype, device=self.device
+        )
+        self.num_features = np.zeros(max_num_seqs, np.int64)  # slot -> positions with f_t
+        self.num_computed = np.zeros(max_num_seqs, np.int64)  # slot -> pairs in the head's cache
+        self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+
+    def remove(self, slot: int) -> None:
+        self.num_features[slot] = 0
+        self.num_computed[slot] = 0
+
+    def observe(self, slots: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
+        if not len(slots):
+            return
+        s = torch.from_numpy(slots).to(self.device)
+        p = torch.from_numpy(positions).to(self.device)
+        self.features[s, p] = hidden.to(self.features.dtype)
+        np.maximum.at(self.num_features, slots, positions + 1)
+
+    def _run(
+        self,
+        slots: list[int],
+        starts: list[int],
+        counts: list[int],
+        embeds: torch.Tensor,
+        feats: torch.Tensor,
+        last_rows: torch.Tensor,
+    ) -> torch.Tensor:
+        """One head forward over a flat batch of pairs; the predicted hidden at ``last_rows``."""
+        positions = torch.from_numpy(
+            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
+        ).to(self.device)
+        meta = build_metadata(self.kv_cache, slots, starts, counts, self.device)
+        out = self.head(
+            embeds[None],
+            feats[None],
+            positions[None],
+            attention_mask=self._placeholder_mask,
+            specd_meta=meta,
+        )  # [1, T, H]
+        return out[0, last_rows]
+
+    @torch.inference_mode()
+    def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
+        device = self.device
+        kmax = max(widths, default=0)
+        out = torch.zeros((len(slots), max(kmax, 1)), dtype=torch.long, device=device)
+        active = [i for i, k in enumerate(widths) if k > 0]
+        sampled = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
+        probs = (
+            torch.zeros((len(slots), max(kmax, 1), self.vocab_size), device=device)
+            if sampled
+            else None
+        )
+        if not active:
+            return Proposal(out, [0] * len(slots), probs)
+        # Catch up: pairs (f_t, x_{t+1}) for t = num_computed .. L-2 of every active request.
+        run_slots, starts, counts, tok_idx, feat_slot, feat_pos = [], [], [], [], [], []
+        for i in active:
+            slot = slots[i]
+            length = int(states.num_tokens[slot])
+            assert self.num_features[slot] >= length - 1, "target hidden states missing"
+            start = min(int(self.num_computed[slot]), length - 2)
+            tokens = states.tokens(slot)
+            run_slots.append(slot)
+            starts.append(start)
+            counts.append(length - 1 - start)
+            tok_idx.append(tokens[start + 1 : length])
+            feat_slot.extend([slot] * (length - 1 - start))
+            feat_pos.extend(range(start, length - 1))
+            self.num_computed[slot] = length - 1
+        next_tokens = torch.from_numpy(np.concatenate(tok_idx).astype(np.int64)).to(device)
+        feats = self.features[
+            torch.tensor(feat_slot, device=device), torch.tensor(feat_pos, device=device)
+        ]  # [T, H]
+        last = torch.tensor(np.cumsum(counts) - 1, device=device)
+        hidden = self._run(run_slots, starts, counts, self.embed(next_tokens), feats, last)
+        rows = torch.tensor(active, device=device)
+        positions = [int(states.num_tokens[s]) - 1 for s in run_slots]
+        for j in range(kmax):
+            logits = self.lm_head(hidden).float()[:, : self.vocab_size]  # [A, V]
+            tokens, q = choose_tokens(states, run_slots, logits)
+            out[rows, j] = tokens
+            if q is not None:
+                assert probs is not None
+                probs[rows, j] = q
+            keep = [n for n, i in enumerate(active) if widths[i] > j + 1]
+            if not keep:
+                break
+            idx = torch.tensor(keep, device=device)
+            active = [active[n] for n in keep]
+            run_slots = [run_slots[n] for n in keep]
+            positions = [positions[n] + (1 if j else 0) for n in keep]
+            rows = rows[idx]
+            # the next pair: (predicted hidden, the draft just chosen) one position further on
+            hidden = self._run(
+                run_slots,
+                positions,
+                [1] * len(run_slots),
+                self.embed(tokens[idx]),
+                hidden[idx],
+                torch.arange(len(run_slots), device=device),
+            )
+        return Proposal(out, list(widths), probs)
