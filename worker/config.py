@@ -34,6 +34,9 @@ class WorkerConfig:
     curve_authorized: str | None = None
     parent_pid: int | None = None
     eagle_head: str | None = None
+    tensor_parallel_size: int = 1
+    tp_rank: int = 0  # set by rank 0 for the ranks it launches
+    tp_init: str | None = None  # tcp://HOST:PORT of the rank group (set by rank 0)
     enforce_eager: bool = False
 
     def transport(self) -> TransportConfig:
@@ -70,6 +73,8 @@ class WorkerConfig:
             raise ValueError("--batch-invariant must be off, pad or pad-fp32")
         if self.device is not None and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError("--device must be cpu or cuda[:N]")
+        if self.tensor_parallel_size < 1 or not 0 <= self.tp_rank < self.tensor_parallel_size:
+            raise ValueError("--tensor-parallel-size must be >= 1 (and --tp-rank below it)")
         validate_address(self.listen)
         check_security(self.listen, self.transport(), server=True)
 
@@ -149,6 +154,15 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "model.safetensors; with --drafter eagle)",
     )
     ap.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="shard the target over this many processes (one per GPU; gloo on CPU); rank 0 "
+        "serves the scheduler and launches the others",
+    )
+    ap.add_argument("--tp-rank", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--tp-init", default=None, help=argparse.SUPPRESS)
+    ap.add_argument(
         "--parent-pid",
         type=int,
         default=None,
@@ -195,5 +209,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         curve_authorized=a.curve_authorized,
         parent_pid=a.parent_pid,
         eagle_head=a.eagle_head,
+        tensor_parallel_size=a.tensor_parallel_size,
+        tp_rank=a.tp_rank,
+        tp_init=a.tp_init,
         enforce_eager=a.enforce_eager,
     )

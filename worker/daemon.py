@@ -10,10 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import socket
+import subprocess
 import sys
 import time
 
 import torch
+import torch.distributed as dist
 import zmq
 
 from protocol import (
@@ -43,6 +46,8 @@ from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor
 from worker.model_loader import load_model
 from worker.runner import ModelRunner, StepError
+from worker.tensor_parallel import shard_model
+from worker.tp_group import BroadcastRunner, follow
 
 log = logging.getLogger("specd.worker")
 
@@ -51,11 +56,15 @@ EXIT_OK, EXIT_FATAL, EXIT_CONFIG, EXIT_LOAD = 0, 1, 2, 3
 
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if cfg.tensor_parallel_size > 1 and device.type == "cuda":
+        device = torch.device("cuda", cfg.tp_rank)  # one GPU per rank
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     invariant = cfg.batch_invariant or ("pad" if device.type == "cuda" else "off")
     t0 = time.monotonic()
     log.info("loading target %s on %s", cfg.model, device)
     target = load_model(cfg.model, device=device, dtype=dtype)
+    if cfg.tensor_parallel_size > 1:
+        shard_model(target.model, cfg.tp_rank, cfg.tensor_parallel_size)
     k = cfg.num_speculative_tokens
     drafter: Drafter = NoDrafter()
     if cfg.drafter == "ngram" and k:
@@ -75,7 +84,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             max_model_len=cfg.max_model_len,
             batch_invariant=invariant,
             decode_width=1 + k,
-            cuda_graphs=not cfg.enforce_eager,
+            cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
         )
         drafter = (
             DraftModelDrafter(draft_executor, max_num_tokens=k)
@@ -105,7 +114,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_model_len=cfg.max_model_len,
         batch_invariant=invariant,
         decode_width=1 + k,
-        cuda_graphs=not cfg.enforce_eager,
+        cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
     )
     if executor.decode.use_graphs:
         t1 = time.monotonic()
@@ -288,25 +297,84 @@ class WorkerLoop:
             log.log(level, "could not answer %r: %s", identity, e)
 
 
+def start_tp_group(cfg: WorkerConfig, argv: list[str]) -> list[subprocess.Popen[bytes]]:
+    """Rank 0: launch ranks 1..N-1 (this process's flags plus their rank) and join the group."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "worker.daemon",
+                *argv,
+                "--tp-rank",
+                str(r),
+                "--tp-init",
+                init,
+                "--parent-pid",
+                str(os.getpid()),
+            ]
+        )
+        for r in range(1, cfg.tensor_parallel_size)
+    ]
+    join_tp_group(cfg, init)
+    return procs
+
+
+def join_tp_group(cfg: WorkerConfig, init: str) -> None:
+    cuda = (cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cuda")
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        init_method=init,
+        rank=cfg.tp_rank,
+        world_size=cfg.tensor_parallel_size,
+    )
+
+
+def follower_main(cfg: WorkerConfig) -> int:
+    """Ranks 1..N-1: no socket; load, shard, and run what rank 0 broadcasts."""
+    assert cfg.tp_init is not None
+    join_tp_group(cfg, cfg.tp_init)
+    try:
+        runner, _ready = build_runner(cfg)
+        return follow(runner, runner.device)
+    except Exception:
+        log.exception("tensor-parallel rank %d failed", cfg.tp_rank)
+        return EXIT_FATAL
+    finally:
+        dist.destroy_process_group()
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
         cfg = parse_args(argv)
     except ValueError as e:
         print(f"specd-worker: {e}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(cfg.log_level, cfg.log_format)
+    if cfg.tp_rank > 0:
+        return follower_main(cfg)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     try:
         chan = bind_router(ctx, cfg.listen, cfg.transport())
     except zmq.ZMQError as e:
         log.error("cannot bind %s: %s", cfg.listen, e)
         return EXIT_CONFIG
+    ranks: list[subprocess.Popen[bytes]] = []
+    runner: ModelRunner | BroadcastRunner | None = None
     try:
+        if cfg.tensor_parallel_size > 1:
+            ranks = start_tp_group(cfg, argv)
         try:
             runner, ready = build_runner(cfg)
         except (OSError, ValueError) as e:
             log.error("model load failed: %s", e)
             return EXIT_LOAD
+        if ranks:
+            runner = BroadcastRunner(runner, runner.device)  # type: ignore[assignment]
         metrics = WorkerMetrics()
         if cfg.metrics_port:
             metrics.serve(cfg.metrics_port)
@@ -349,6 +417,25 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         chan.close()
         ctx.term()
+        if ranks:
+            stop_tp_group(runner, ranks)
+
+
+def stop_tp_group(
+    runner: ModelRunner | BroadcastRunner | None, ranks: list[subprocess.Popen[bytes]]
+) -> None:
+    if isinstance(runner, BroadcastRunner):
+        try:
+            runner.stop()
+        except RuntimeError as e:  # a rank already gone
+            log.warning("could not stop the tensor-parallel ranks cleanly: %s", e)
+    for proc in ranks:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -51,7 +51,10 @@ class ModelExecutor:
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv_cache = KVCache(
             num_layers=cfg.num_hidden_layers,
-            num_kv_heads=getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+            # a tensor-parallel rank holds only its share of the KV heads (tensor_parallel.py)
+            num_kv_heads=getattr(model, "specd_num_kv_heads", None)
+            or getattr(cfg, "num_key_value_heads", None)
+            or cfg.num_attention_heads,
             head_dim=head_dim,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,

@@ -1,0 +1,109 @@
+"""Tensor parallelism on CPU: two processes with gloo give the same greedy output as one."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.driver import Req, run
+from tests.models import greedy_reference, reference_copy, tiny_model
+from tests.procs import free_port
+from worker.drafters.base import Drafter, NoDrafter
+from worker.drafters.ngram import NgramDrafter
+from worker.model_executor import ModelExecutor
+from worker.runner import ModelRunner
+from worker.tensor_parallel import ColumnParallelLinear, check_shardable, shard_model
+
+K = 4
+PROMPTS = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12, 13], [3, 4, 3, 4, 3, 4, 3, 4]]
+
+
+def requests(k: int) -> list[Req]:
+    return [Req(f"r{i}", p, 16 + 2 * i, k=k, arrive=i) for i, p in enumerate(PROMPTS)]
+
+
+def generate(model: torch.nn.Module, drafter: str) -> dict[str, list[int]]:
+    k = K if drafter == "ngram" else 0
+    d: Drafter = NgramDrafter(min_n=1, max_n=3, max_num_tokens=K) if k else NoDrafter()
+    runner = ModelRunner(
+        ModelExecutor(model, max_num_seqs=4, max_model_len=128, decode_width=1 + k),
+        d,
+        max_num_seqs=4,
+        max_model_len=128,
+        max_num_draft_tokens=max(k, 1),
+    )
+    return run(runner, requests(k))
+
+
+def rank_main(rank: int, world: int, port: int, arch: str, drafter: str, out: Any) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    try:
+        model = tiny_model(arch, seed=71)  # the same seed: the same full weights on every rank
+        kv_heads = shard_model(model, rank, world)
+        q = model.get_decoder().layers[0].self_attn.q_proj
+        assert isinstance(q, ColumnParallelLinear) and q.weight.shape[0] == 64 // world
+        assert kv_heads == 2 // world
+        got = generate(model, drafter)
+        out.put((rank, got))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_tp2_with_gloo_equals_tp1(arch: str, drafter: str) -> None:
+    single = generate(tiny_model(arch, seed=71), drafter)
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=rank_main, args=(r, 2, port, arch, drafter, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    assert results[0] == results[1] == single
+    ref = reference_copy(tiny_model(arch, seed=71))
+    for r in requests(0):
+        assert single[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens)
+
+
+def test_a_size_the_group_does_not_divide_is_named() -> None:
+    model = tiny_model("llama", seed=1)  # 4 heads, 2 KV heads
+    with pytest.raises(ValueError, match="num_key_value_heads"):
+        check_shardable(model.config, 4)
+
+
+def test_worker_daemon_with_two_ranks_serves_the_same_greedy_text(tmp_path: Path) -> None:
+    """``specd-worker --tensor-parallel-size 2`` on CPU: rank 0 serves the scheduler and
+    broadcasts each step to rank 1 (a process it launched); the output equals one process's."""
+    from scheduler_client import Engine, EngineConfig
+    from tests.models import save_byte_model
+
+    model = save_byte_model("llama", 72, tmp_path / "m")
+    outs = []
+    for tp in ("1", "2"):
+        cfg = EngineConfig(
+            model=str(model),
+            device="cpu",
+            max_model_len=128,
+            worker_args=("--tensor-parallel-size", tp),
+            worker_log=str(tmp_path / f"worker{tp}.log"),
+        )
+        with Engine(cfg) as e:
+            done = e.generate(
+                [{"prompt": p, "max_tokens": 16, "ignore_eos": True} for p in ("abcabc", "xyz")]
+            )
+            outs.append([r.output_ids for r in done])
+            assert all(r.error is None for r in done)
+    assert outs[0] == outs[1]
