@@ -164,3 +164,43 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
     assert (pr[0, 2:] == 0).all() and pr[0, :2].sum() == pytest.approx(1.0)
     # top_p 0.7: softmax is [0.64, 0.24, 0.09, 0.03]; the smallest prefix reaching 0.7 is 2 tokens
     assert (pr[1, 2:] == 0).all() and (pr[1, :2] > 0).all()
+
+
+def test_greedy_fast_path_equals_the_batched_verifier() -> None:
+    """``verify_greedy`` (one argmax, acceptance counted on the host) against ``verify`` on random
+    batches: widths 0..K, drafts right by construction or at random, ties included."""
+    from worker.rejection import verify_greedy
+
+    rng = np.random.default_rng(9)
+    for trial in range(200):
+        b, k = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+        widths = rng.integers(0, k + 1, b).tolist()
+        cu = np.concatenate([[0], np.cumsum([w + 1 for w in widths])]).tolist()
+        logits = torch.from_numpy(rng.integers(0, 3, (cu[-1], V)).astype(np.float32))  # ties
+        argmax = logits.argmax(-1)
+        drafts = torch.zeros((b, k), dtype=torch.long)
+        by_row = torch.zeros(cu[-1], dtype=torch.long)
+        for j, w in enumerate(widths):
+            for i in range(w):
+                right = rng.random() < 0.7
+                t = int(argmax[cu[j] + i]) if right else int(rng.integers(0, V))
+                drafts[j, i] = t
+                by_row[cu[j] + i] = t
+        ref = verify(
+            VerifyInput(
+                logits=logits,
+                cu_rows=cu,
+                num_drafts=widths,
+                draft_token_ids=drafts,
+                draft_probs=None,
+                temperature=torch.zeros(b),
+                top_k=torch.zeros(b, dtype=torch.long),
+                top_p=torch.ones(b),
+                greedy=torch.ones(b, dtype=torch.bool),
+                uniforms=torch.full((b, k + 2), 0.5),
+                all_greedy=True,
+            )
+        )
+        tokens, accepted = verify_greedy(logits, by_row, cu, k)
+        assert accepted.tolist() == ref.num_accepted.tolist(), trial
+        assert tokens.tolist() == ref.output_token_ids.tolist(), trial

@@ -22,7 +22,7 @@ from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
 from worker.draft_tokens import DraftTokensHandler
 from worker.drafters.base import Drafter
 from worker.model_executor import ModelExecutor
-from worker.rejection import VerifyInput, verify
+from worker.rejection import VerifyInput, verify, verify_greedy
 from worker.requests import RequestStates, WorkerRequestError
 from worker.sampling import apply_bitmask_
 from worker.spec_utils import get_drafter_hidden_states
@@ -396,25 +396,12 @@ class ModelRunner:
     def _accept_greedy(
         self, batch: StepBatch, logits: torch.Tensor
     ) -> tuple[np.ndarray, np.ndarray]:
-        """An all-greedy batch: one argmax and one host copy (the designed sync); each request
-        accepts its drafts while they equal the argmax, counted on the host. Same result as
-        ``verify`` for greedy rows, without its ~20 small kernels and host-to-device copies."""
         # The draft verified at logit row r is the input token right after row r's position;
         # the bonus row's successor is read too (clamped) and never compared.
         succ = (batch.logits_indices + 1).clamp(max=len(batch.input_ids) - 1)
-        both = torch.stack([logits.argmax(-1), batch.input_ids[succ]]).cpu().numpy()  # [2, R]
-        argmax, drafts = both
-        cu = batch.cu_rows
-        num = len(cu) - 1
-        tokens = np.full((num, batch.draft_token_ids.shape[1] + 1), -1, np.int64)
-        accepted = np.zeros(num, np.int64)
-        for j in range(num):
-            a, w = cu[j], cu[j + 1] - cu[j] - 1
-            match = argmax[a : a + w] == drafts[a : a + w]
-            n = w if match.all() else int(match.argmin())
-            accepted[j] = n
-            tokens[j, : n + 1] = argmax[a : a + n + 1]
-        return tokens, accepted
+        return verify_greedy(
+            logits, batch.input_ids[succ], batch.cu_rows, batch.draft_token_ids.shape[1]
+        )
 
     def _draft_probs(self, batch: StepBatch, sched: SchedulerOutput) -> torch.Tensor | None:
         """q for each verified draft: the drafter's distribution where the worker's own draft is
