@@ -12,6 +12,8 @@ configuration; 3 no worker (launch, connect or handshake failed).
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import logging
 import signal
 import sys
@@ -41,6 +43,7 @@ class ServeConfig:
     drain_timeout_s: float = 30.0
     max_active_requests: int = 4096
     max_request_bytes: int = 16 << 20
+    data_parallel_size: int = 1
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -51,6 +54,10 @@ class ServeConfig:
             raise ValueError("--drain-timeout must be >= 0 seconds")
         if self.max_active_requests < 1 or self.max_request_bytes < 1024:
             raise ValueError("--max-active-requests must be >= 1, --max-request-bytes >= 1024")
+        if self.data_parallel_size < 1:
+            raise ValueError("--data-parallel-size must be >= 1")
+        if self.data_parallel_size > 1 and self.engine.worker_addr:
+            raise ValueError("--data-parallel-size launches its workers: drop --worker")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
         if self.api_key_file is not None and not Path(self.api_key_file).is_file():
@@ -104,6 +111,13 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         help="requests queued or running at once; more are answered 503",
     )
     ap.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest HTTP body")
+    ap.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="launch this many workers (worker i sees GPU i) behind this scheduler; each request "
+        "goes to the worker with the fewest active requests",
+    )
     add_engine_args(ap)
     add_log_args(ap)
     a = parse_with_config(ap, argv)
@@ -116,6 +130,7 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         drain_timeout_s=a.drain_timeout,
         max_active_requests=a.max_active_requests,
         max_request_bytes=a.max_request_bytes,
+        data_parallel_size=a.data_parallel_size,
         log_level=a.log_level,
         log_format=a.log_format,
     )
@@ -129,58 +144,96 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specd-scheduler: {e}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(cfg.log_level, cfg.log_format)
-    where = cfg.engine.worker_addr or f"a launched worker ({cfg.engine.model})"
-    log.info("starting: worker %s", where)
-    try:
-        engine = Engine(cfg.engine)
-    except (WorkerDied, HandshakeError, OSError, ValueError) as e:
-        log.error("no worker: %s", e)
-        return EXIT_WORKER
-    with engine:
-        loop = EngineLoop(engine)
-        frontend = Frontend(
-            loop,
-            model=cfg.served_model_name or engine.ready.model_name,
-            max_model_len=engine.ready.max_model_len,
-            api_key=api_key,
-            max_request_bytes=cfg.max_request_bytes,
-            max_active_requests=cfg.max_active_requests,
-        )
+    where = (
+        cfg.engine.worker_addr
+        or f"{cfg.data_parallel_size} launched worker(s) ({cfg.engine.model})"
+    )
+    log.info("starting: %s", where)
+    with contextlib.ExitStack() as stack:
         try:
-            server = frontend.serve(cfg.host, cfg.port)
-        except OSError as e:
-            log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
-            return EXIT_CONFIG
-        http = threading.Thread(target=server.serve_forever, name="http", daemon=True)
-        http.start()
+            engines = [
+                stack.enter_context(Engine(worker_config(cfg, i)))
+                for i in range(cfg.data_parallel_size)
+            ]
+        except (WorkerDied, HandshakeError, OSError, ValueError) as e:
+            log.error("no worker: %s", e)
+            return EXIT_WORKER
+        return serve(cfg, api_key, [EngineLoop(e) for e in engines])
 
-        def stop(signum: int, _frame: object) -> None:
-            log.info("signal %d: draining", signum)
-            loop.drain(cfg.drain_timeout_s)
 
-        signal.signal(signal.SIGTERM, stop)
-        signal.signal(signal.SIGINT, stop)
-        host, port = server.server_address[:2]
-        log.info(
-            "ready: http://%s:%d (model %s, drafter %s, k=%d)",
-            host,
-            port,
-            frontend.model,
-            engine.ready.drafter,
-            engine.ready.max_num_speculative_tokens,
-        )
+def worker_config(cfg: ServeConfig, index: int) -> EngineConfig:
+    """Worker ``index`` of a data-parallel group sees only GPU ``index``."""
+    if cfg.data_parallel_size == 1:
+        return cfg.engine
+    return dataclasses.replace(cfg.engine, worker_env=(("CUDA_VISIBLE_DEVICES", str(index)),))
+
+
+def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int:
+    """HTTP in one thread, engine loop 0 on this thread, the others on their own."""
+    ready = loops[0].engine.ready
+    frontend = Frontend(
+        loops,
+        model=cfg.served_model_name or ready.model_name,
+        max_model_len=ready.max_model_len,
+        api_key=api_key,
+        max_request_bytes=cfg.max_request_bytes,
+        max_active_requests=cfg.max_active_requests,
+    )
+    try:
+        server = frontend.serve(cfg.host, cfg.port)
+    except OSError as e:
+        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
+        return EXIT_CONFIG
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    errors: list[BaseException] = []
+
+    def run_other(loop: EngineLoop) -> None:
         try:
             loop.run()
-        except Exception:
-            log.exception("fatal error in the scheduler loop")
-            return EXIT_FATAL
-        finally:
-            frontend.alive = False
-            server.shutdown()
-            server.server_close()
-        if loop.failed:
-            return EXIT_FATAL
-        log.info("drained; stopping the worker")
+        except Exception as e:  # reported by the main thread
+            log.exception("fatal error in a scheduler loop")
+            errors.append(e)
+
+    others = [
+        threading.Thread(target=run_other, args=(lp,), name=f"engine-{i + 1}")
+        for i, lp in enumerate(loops[1:])
+    ]
+    for t in others:
+        t.start()
+
+    def stop(signum: int, _frame: object) -> None:
+        log.info("signal %d: draining", signum)
+        for lp in loops:
+            lp.drain(cfg.drain_timeout_s)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    host, port = server.server_address[:2]
+    log.info(
+        "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s))",
+        host,
+        port,
+        frontend.model,
+        ready.drafter,
+        ready.max_num_speculative_tokens,
+        len(loops),
+    )
+    try:
+        loops[0].run()
+        for lp in loops[1:]:  # loop 0 ended (drained, or its worker is lost): the others follow
+            lp.drain(cfg.drain_timeout_s)
+        for t in others:
+            t.join()
+    except Exception:
+        log.exception("fatal error in the scheduler loop")
+        return EXIT_FATAL
+    finally:
+        frontend.alive = False
+        server.shutdown()
+        server.server_close()
+    if errors or any(lp.failed for lp in loops):
+        return EXIT_FATAL
+    log.info("drained; stopping the worker(s)")
     return EXIT_OK
 
 

@@ -52,6 +52,7 @@ class EngineConfig:
     max_model_len: int = 2048
     worker_max_num_seqs: int = 16
     worker_args: tuple[str, ...] = ()
+    worker_env: tuple[tuple[str, str], ...] = ()  # extra environment for a launched worker
     tokenizer: str | None = None
     grammar_backend: str = "llguidance"
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -145,7 +146,8 @@ class Engine:
         if c.device:
             cmd += ["--device", c.device]
         stderr = open(c.worker_log, "ab") if c.worker_log else None  # noqa: SIM115
-        self.proc = subprocess.Popen(cmd, stderr=stderr)
+        env = {**os.environ, **dict(c.worker_env)} if c.worker_env else None
+        self.proc = subprocess.Popen(cmd, stderr=stderr, env=env)
         return addr
 
     # -- requests -------------------------------------------------------------------------------

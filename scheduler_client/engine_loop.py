@@ -45,9 +45,14 @@ Event = Delta | Done | Refused
 class Stream:
     """What one request's reader sees: ``Delta`` events, then exactly one ``Done`` or ``Refused``."""
 
-    def __init__(self) -> None:
+    def __init__(self, loop: EngineLoop) -> None:
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.req_id: str | None = None
+        self.loop = loop  # the engine that runs it
+
+    def abort(self) -> None:
+        if self.req_id is not None:
+            self.loop.abort(self.req_id)
 
     def get(self, timeout_s: float | None = None) -> Event:
         return self.events.get(timeout=timeout_s)
@@ -68,7 +73,7 @@ class EngineLoop:
     # -- any thread -----------------------------------------------------------------------------
     def submit(self, request: dict[str, Any]) -> Stream:
         """Queue ``request`` (keyword arguments of ``Engine.add_request``)."""
-        stream = Stream()
+        stream = Stream(self)
         self._inbox.put(("add", request, stream))
         return stream
 

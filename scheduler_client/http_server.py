@@ -12,11 +12,13 @@ import json
 import logging
 import queue
 import uuid
+from collections.abc import Iterator
 from http import HTTPStatus
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from scheduler_client import openai_api as api
 from scheduler_client.engine_loop import Delta, Done, EngineLoop, Refused, Stream
@@ -27,12 +29,36 @@ POLL_S = 1.0  # how often a waiting handler checks that the engine is still aliv
 STOPPED = api.ApiError(503, "the scheduler stopped before the request finished", "server_error")
 
 
+def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
+    """One registry for /metrics: with one worker its own; with several, every sample labelled
+    ``worker="i"`` under one family per metric (duplicate families would be invalid)."""
+    if len(registries) == 1:
+        return registries[0]
+
+    class Merged:
+        def collect(self) -> Iterator[Metric]:
+            families: dict[str, Metric] = {}
+            for i, reg in enumerate(registries):
+                for fam in reg.collect():
+                    out = families.setdefault(
+                        fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                    )
+                    for smp in fam.samples:
+                        labels = {**smp.labels, "worker": str(i)}
+                        out.add_sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar)
+            yield from families.values()
+
+    merged = CollectorRegistry()
+    merged.register(Merged())
+    return merged
+
+
 class Frontend:
     """What the handlers need: the loop, the model name, limits and the optional API key."""
 
     def __init__(
         self,
-        loop: EngineLoop,
+        loops: list[EngineLoop],
         *,
         model: str,
         max_model_len: int,
@@ -40,13 +66,27 @@ class Frontend:
         max_request_bytes: int = 16 << 20,
         max_active_requests: int = 4096,
     ) -> None:
-        self.loop = loop
+        self.loops = loops  # one per worker (data parallel); requests go to the least busy
+        self.registry = merged_registry([lp.engine.prom.registry for lp in loops])
         self.model = model
         self.max_model_len = max_model_len
         self.api_key = api_key
         self.max_request_bytes = max_request_bytes
         self.max_active_requests = max_active_requests
         self.alive = True  # False once the engine loop has ended
+
+    @property
+    def draining(self) -> bool:
+        return any(lp.draining for lp in self.loops)
+
+    @property
+    def num_active(self) -> int:
+        return sum(lp.num_active for lp in self.loops)
+
+    def pick(self) -> EngineLoop:
+        """The least busy engine whose worker is still there."""
+        alive = [lp for lp in self.loops if lp.failed is None] or self.loops
+        return min(alive, key=lambda lp: lp.num_active)
 
     def serve(self, host: str, port: int) -> ThreadingHTTPServer:
         front = self
@@ -71,12 +111,12 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         f = self.frontend
         if self.path == "/health":
-            ok = f.alive and not f.loop.draining
+            ok = f.alive and not f.draining
             status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
             state = "ok" if ok else ("draining" if f.alive else "stopped")
-            self._json(status, {"status": state, "active_requests": f.loop.num_active})
+            self._json(status, {"status": state, "active_requests": f.num_active})
         elif self.path == "/metrics":
-            data = generate_latest(f.loop.engine.prom.registry)
+            data = generate_latest(f.registry)
             self._send(HTTPStatus.OK, data, CONTENT_TYPE_LATEST)
         elif self.path == "/v1/models":
             if self._authorized():
@@ -102,7 +142,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._error(e)
             return
         request["req_id"] = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = self.frontend.loop.submit(request)
+        stream = self.frontend.pick().submit(request)
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             self._stream(stream, chat=chat, include_usage=include_usage)
@@ -186,7 +226,7 @@ class _Handler(BaseHTTPRequestHandler):
         except (BrokenPipeError, ConnectionResetError):
             # The client went away: its request stops using the GPU.
             if stream.req_id is not None:
-                self.frontend.loop.abort(stream.req_id)
+                stream.abort()
             log.info("client left; aborted %s", stream.req_id)
 
     def _next(self, stream: Stream) -> Delta | Done | Refused | None:
@@ -220,9 +260,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _check_capacity(self) -> None:
         f = self.frontend
-        if not f.alive or f.loop.draining:
+        if not f.alive or f.draining:
             raise api.ApiError(503, "the scheduler is shutting down", "server_error")
-        if f.loop.num_active >= f.max_active_requests:
+        if f.num_active >= f.max_active_requests:
             raise api.ApiError(503, "too many requests in flight; retry later", "server_error")
 
     def _body(self) -> Any:

@@ -293,3 +293,46 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path)
     gone = not status.exists() or "zombie" in status.read_text()
     assert gone, "the launched worker outlived its scheduler"
     assert "is gone: stopping" in (tmp_path / "worker.log").read_text()
+
+
+def test_data_parallel_spreads_requests_over_two_workers(tmp_path: Path, model: Path) -> None:
+    d = start_daemon(tmp_path, model, "--data-parallel-size", "2")
+    try:
+        children = subprocess.run(
+            ["pgrep", "-P", str(d.proc.pid)], capture_output=True, text=True, timeout=10
+        ).stdout.split()
+        assert len(children) == 2, children
+        prompts = ["abcabc", "the cat", "xyz", "hello hello"]
+        results: dict[str, Any] = {}
+
+        def call(p: str) -> None:
+            body = {"prompt": p, "max_tokens": 20, "temperature": 0, "ignore_eos": True}
+            results[p] = d.call("/v1/completions", body)
+
+        threads = [threading.Thread(target=call, args=(p,)) for p in prompts]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        assert all(results[p][0] == 200 for p in prompts), results
+        with Engine(EngineConfig(model=str(model), device="cpu", max_model_len=384)) as e:
+            want = e.generate(
+                [{"prompt": p, "max_tokens": 20, "ignore_eos": True} for p in prompts]
+            )
+        assert [results[p][1]["choices"][0]["text"] for p in prompts] == [r.text for r in want]
+        status, metrics = d.call("/metrics", key=None)
+        assert status == 200
+        assert 'worker="1"' in metrics and 'worker="0"' in metrics
+        # both workers served: each one's finished-request counter moved
+        served = [
+            line
+            for line in metrics.splitlines()
+            if line.startswith("specd_scheduler_requests_finished_total")
+            and 'reason="length"' in line
+        ]
+        assert len(served) == 2, served
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=60) == 0
+    finally:
+        d.proc.kill()
+        d.proc.wait(timeout=30)
