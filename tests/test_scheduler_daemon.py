@@ -52,6 +52,12 @@ class Daemon:
         except json.JSONDecodeError:
             return status, raw.decode()
 
+    def children(self) -> list[str]:
+        """Pids of the processes the daemon launched (its workers)."""
+        return subprocess.run(
+            ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, timeout=10
+        ).stdout.split()
+
     def events(self, path: str, body: dict[str, Any]) -> list[Any]:
         """A streamed answer as its list of SSE payloads (``[DONE]`` kept as a string)."""
         _, raw = self.call(path, {**body, "stream": True})
@@ -279,9 +285,7 @@ def test_openai_bodies_become_engine_requests() -> None:
 
 def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path) -> None:
     d = start_daemon(tmp_path, model)
-    children = subprocess.run(
-        ["pgrep", "-P", str(d.proc.pid)], capture_output=True, text=True, timeout=10
-    ).stdout.split()
+    children = d.children()
     assert len(children) == 1, children
     worker = int(children[0])
     d.proc.kill()  # no drain, no Shutdown message: the worker must notice on its own
@@ -298,9 +302,7 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path)
 def test_data_parallel_spreads_requests_over_two_workers(tmp_path: Path, model: Path) -> None:
     d = start_daemon(tmp_path, model, "--data-parallel-size", "2")
     try:
-        children = subprocess.run(
-            ["pgrep", "-P", str(d.proc.pid)], capture_output=True, text=True, timeout=10
-        ).stdout.split()
+        children = d.children()
         assert len(children) == 2, children
         prompts = ["abcabc", "the cat", "xyz", "hello hello"]
         results: dict[str, Any] = {}

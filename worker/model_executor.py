@@ -98,14 +98,7 @@ class ModelExecutor:
             query_rows=QUERY_PAD if invariant else 0,
             fp32=self.batch_invariant == "pad-fp32",
         )
-        out = self.backbone(
-            input_ids=input_ids[None],
-            position_ids=positions[None],
-            attention_mask=self._placeholder_mask,
-            use_cache=False,
-            specd_meta=meta,
-        )
-        hidden = out.last_hidden_state[0]  # [T, hidden]
+        hidden = self._backbone(input_ids, positions, meta)  # [T, hidden]
         logits = self.lm_head(hidden).float()[:, : self.vocab_size]  # [T, vocab]
         return logits, hidden
 
@@ -145,6 +138,14 @@ class ModelExecutor:
             query_pad=QUERY_PAD if self.batch_invariant != "off" else 0,
             fp32=self.batch_invariant == "pad-fp32",
         )
+        hidden = self._backbone(input_ids, positions, meta)  # [num_tokens_total, hidden]
+        logits = self.lm_head(hidden[logits_indices]).float()  # [num_logits, vocab]
+        return logits[:, : self.vocab_size], hidden
+
+    def _backbone(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object
+    ) -> torch.Tensor:
+        """The decoder over one flat sequence: [T] ids and positions -> [T, hidden]."""
         out = self.backbone(
             input_ids=input_ids[None],
             position_ids=positions[None],
@@ -155,6 +156,4 @@ class ModelExecutor:
             use_cache=False,
             specd_meta=meta,
         )
-        hidden = out.last_hidden_state[0]  # [num_tokens_total, hidden]
-        logits = self.lm_head(hidden[logits_indices]).float()  # [num_logits, vocab]
-        return logits[:, : self.vocab_size], hidden
+        return out.last_hidden_state[0]

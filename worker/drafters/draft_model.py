@@ -11,10 +11,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.drafters.base import Drafter, Proposal
+from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
-from worker.sampling import probs_from_logits, sample_from
 
 
 class DraftModelDrafter(Drafter):
@@ -118,23 +117,9 @@ class DraftModelDrafter(Drafter):
         probs: torch.Tensor | None,
     ) -> torch.Tensor:
         """Choose draft j for each row: argmax for greedy requests, a sample from q otherwise."""
-        picked = logits.argmax(-1)
-        if probs is not None:
-            params = [states.sampling[s] for s in slots]
-            temp = torch.tensor([max(p.temperature, 1e-5) for p in params], device=logits.device)  # type: ignore[union-attr]
-            top_k = torch.tensor([p.top_k for p in params], device=logits.device)  # type: ignore[union-attr]
-            top_p = torch.tensor([p.top_p for p in params], device=logits.device)  # type: ignore[union-attr]
-            q = probs_from_logits(logits, temp, top_k, top_p)
-            u = torch.stack(
-                [
-                    torch.rand((), generator=p.generator, device=logits.device)  # type: ignore[union-attr]
-                    for p in params
-                ]
-            )
-            sampled = sample_from(q, u)
-            greedy = torch.tensor([p.temperature == 0 for p in params], device=logits.device)  # type: ignore[union-attr]
-            picked = torch.where(greedy, picked, sampled)
-            idx = torch.tensor(rows, device=logits.device)
+        picked, q = choose_tokens(states, slots, logits)
+        idx = torch.tensor(rows, device=logits.device)
+        if probs is not None and q is not None:
             probs[idx, j] = q
-        out[torch.tensor(rows, device=logits.device), j] = picked
+        out[idx, j] = picked
         return picked

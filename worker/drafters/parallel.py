@@ -14,10 +14,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.drafters.base import Drafter, Proposal
+from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
-from worker.sampling import probs_from_logits, sample_from
 from worker.spec_utils import get_parallel_drafting_token_id
 
 
@@ -88,24 +87,12 @@ class ParallelDrafter(Drafter):
             input_ids, positions, step_slots, starts, counts, torch.tensor(rows, device=device)
         )  # [sum of k over active, vocab]
         self.num_forwards += 1
-        off = 0
-        for i in active:
-            k = widths[i]
-            block = logits[off : off + k]  # [k, vocab]
-            off += k
-            params = states.sampling[slots[i]]
-            if params.temperature == 0:  # type: ignore[union-attr]
-                out[i, :k] = block.argmax(-1)
-                continue
-            n = block.shape[0]
-            q = probs_from_logits(
-                block,
-                torch.full((n,), params.temperature, device=device),  # type: ignore[union-attr]
-                torch.full((n,), params.top_k, device=device),  # type: ignore[union-attr]
-                torch.full((n,), params.top_p, device=device),  # type: ignore[union-attr]
-            )
-            u = torch.rand(n, generator=params.generator, device=device)  # type: ignore[union-attr]
-            out[i, :k] = sample_from(q, u)
-            assert probs is not None
-            probs[i, :k] = q
+        # row r of logits belongs to the request that owns it: one choice for the whole batch
+        owners = [i for i in active for _ in range(widths[i])]
+        tokens, q = choose_tokens(states, [slots[i] for i in owners], logits)
+        cols = [c for i in active for c in range(widths[i])]
+        idx = (torch.tensor(owners, device=device), torch.tensor(cols, device=device))
+        out[idx] = tokens
+        if probs is not None and q is not None:
+            probs[idx] = q
         return Proposal(out, list(widths), probs)
