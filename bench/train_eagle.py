@@ -31,36 +31,53 @@ from worker.eagle_head import EagleHead, head_config
 from worker.model_loader import resolve_model_dir
 
 TOPICS = [
-    "a lighthouse",
-    "a robot",
-    "the ocean",
-    "a city at night",
-    "a chess game",
-    "autumn",
-    "a small bakery",
-    "the moon",
-    "a train journey",
-    "a lost key",
+    "a lighthouse", "a robot", "the ocean", "a city at night", "a chess game", "autumn",
+    "a small bakery", "the moon", "a train journey", "a lost key", "a volcano", "a library",
+    "a desert caravan", "a snowstorm", "a garden", "a space station", "a river", "an old clock",
+    "a football match", "a market", "a forest fire", "a paper boat", "a mountain village",
+    "a thunderstorm",
+]  # fmt: skip
+TASKS = [
+    "Write a short story about {}.",
+    "Explain {} to a child in three sentences.",
+    "Write a poem about {}.",
+    "Describe {} in five bullet points.",
+    "Give three facts about {} as a JSON list of strings.",
 ]
 PEOPLE = [
-    "Ana Silva, 29, a nurse in Porto",
-    "Kenji Mori, 41, a chef in Kyoto",
-    "Lena Vogel, 35, an architect in Vienna",
-    "Omar Haddad, 52, a pilot in Amman",
+    "Ana Silva, 29, a nurse in Porto", "Kenji Mori, 41, a chef in Kyoto",
+    "Lena Vogel, 35, an architect in Vienna", "Omar Haddad, 52, a pilot in Amman",
+    "Sara Costa, 44, a judge in Milan", "Tom Baker, 31, a plumber in Leeds",
+    "Priya Nair, 27, a data analyst in Pune", "Jonas Berg, 60, a fisherman in Bergen",
+]  # fmt: skip
+SNIPPETS = [
+    CODE,
+    "def mean(values):\n    total = 0\n    for v in values:\n        total += v\n"
+    "    return total / len(values)\n",
+    "class Counter:\n    def __init__(self):\n        self.count = 0\n\n"
+    "    def increment(self):\n        self.count += 1\n        return self.count\n",
 ]
 TRAIN = (
-    [f"Write a short story about {t}." for t in TOPICS]
-    + [f"Explain {t} to a child in three sentences." for t in TOPICS]
+    [t.format(x) for t in TASKS for x in TOPICS]
     + [f"Extract name, age, job and city as JSON: {p}." for p in PEOPLE]
+    + [f"Write a JSON object describing {p}, with a list of hobbies." for p in PEOPLE]
     + [
-        f"Rename load_config to {n} and return the whole code:\n{CODE}"
-        for n in ("read_config", "get_config", "parse_config")
+        f"{verb} and return the whole code:\n{code}"
+        for code in SNIPPETS
+        for verb in (
+            "Add type hints",
+            "Add a docstring",
+            "Rename every variable to a longer name",
+            "Convert it to use snake_case everywhere",
+        )
     ]
     + [
         "List five fruits as a JSON array.",
         "What is the capital of Italy? Answer briefly.",
         "Give three tips for learning Python.",
         "Summarise the water cycle.",
+        "Fix the grammar: me and him goes to the shop yesterday and buyed bread.",
+        "Translate to French: The weather is nice today.",
     ]
 )
 HELD_OUT = [
@@ -76,6 +93,47 @@ def chat(tok, text: str) -> list[int]:
     return list(tok(s, add_special_tokens=False).input_ids)
 
 
+def generate(target, tok, prompts: list[list[int]], a, device) -> list[torch.Tensor]:
+    """Greedy continuations, ``a.gen_batch`` prompts at a time; each kept up to its first EOS."""
+    eos = (
+        set(target.generation_config.eos_token_id or [])
+        if isinstance(target.generation_config.eos_token_id, list)
+        else {target.generation_config.eos_token_id}
+    )
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    out: list[torch.Tensor] = []
+    for i in range(0, len(prompts), a.gen_batch):
+        group = prompts[i : i + a.gen_batch]
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in group], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group], device=device)
+        gen = target.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=a.gen_tokens,
+            do_sample=False,
+            pad_token_id=pad,
+        )
+        for p, row in zip(group, gen.tolist(), strict=True):
+            new = row[width:]
+            cut = next((j + 1 for j, t in enumerate(new) if t in eos), len(new))
+            out.append(torch.tensor(p + new[:cut], device=device))
+    return out
+
+
+def pad_batch(
+    seqs: list[torch.Tensor], feats: list[torch.Tensor], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-pad to the longest: ids [B, T], features [B, T, H] float32, valid [B, T] float32."""
+    n = max(len(s) for s in seqs)
+    ids = torch.zeros((len(seqs), n), dtype=torch.long, device=device)
+    f = torch.zeros((len(seqs), n, feats[0].shape[-1]), dtype=torch.float32, device=device)
+    valid = torch.zeros((len(seqs), n), dtype=torch.float32, device=device)
+    for j, (s, h) in enumerate(zip(seqs, feats, strict=True)):
+        ids[j, : len(s)], f[j, : len(s)], valid[j, : len(s)] = s, h.float(), 1.0
+    return ids, f, valid
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="embedded:smollm2")
@@ -87,6 +145,9 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--num-prompts", type=int, default=len(TRAIN))
     ap.add_argument("--eval-tokens", type=int, default=128)
+    ap.add_argument("--gen-batch", type=int, default=64)
+    ap.add_argument("--batch-size", type=int, default=8, help="sequences per training step")
+    ap.add_argument("--feature-noise", type=float, default=0.1, help="uniform noise width on f_t")
     a = ap.parse_args()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -99,52 +160,53 @@ def main() -> None:
         directory, dtype=dtype, attn_implementation="sdpa"
     )
     target.to(device).eval().requires_grad_(False)
-    # 1. the target's own greedy text
-    seqs = []
-    for text in TRAIN[: a.num_prompts]:
-        ids = torch.tensor([chat(tok, text)], device=device)
-        out = target.generate(ids, max_new_tokens=a.gen_tokens, do_sample=False, pad_token_id=0)
-        seqs.append(out[0])
+    # 1. the target's own greedy text, decoded in batches (left padding)
+    seqs = generate(target, tok, [chat(tok, t) for t in TRAIN[: a.num_prompts]], a, device)
     gen_s = time.monotonic() - t_start
-    # 2. features
-    data = []
+    # 2. features: the target's final hidden states, one unpadded forward per sequence
     with torch.no_grad():
-        for s in seqs:
-            h = target(s[None], output_hidden_states=True).hidden_states[-1]  # [1, T, H]
-            data.append((s, h))
-    # 3. train
+        feats = [target(s[None], output_hidden_states=True).hidden_states[-1][0] for s in seqs]
+    # 3. train on minibatches of whole sequences, right-padded; padded positions carry no loss
     head = EagleHead(head_config(target.config), "sdpa").to(device)
     opt = torch.optim.AdamW(head.parameters(), lr=a.lr, weight_decay=0.0)
     embed, lm_head = target.get_input_embeddings(), target.get_output_embeddings()
     budget = a.minutes * 60 - (time.monotonic() - t_start)
+    gen = torch.Generator().manual_seed(0)
     log, step, t0 = [], 0, time.monotonic()
     while step < a.max_steps and time.monotonic() - t0 < budget:
-        ids, feats = data[step % len(data)]
+        pick = torch.randint(len(seqs), (a.batch_size,), generator=gen).tolist()
+        ids, f, valid = pad_batch([seqs[i] for i in pick], [feats[i] for i in pick], device)
         frac = min((time.monotonic() - t0) / max(budget, 1e-9), 1.0)
         for g in opt.param_groups:
-            g["lr"] = a.lr * 0.5 * (1 + math.cos(math.pi * frac))
+            g["lr"] = a.lr * min(1.0, (step + 1) / 50) * 0.5 * (1 + math.cos(math.pi * frac))
+        noise = (torch.rand_like(f[:, :-1]) - 0.5) * a.feature_noise if a.feature_noise else 0.0
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             pred = head(
-                embed(ids[None, 1:]),
-                feats[:, :-1].float().to(embed.weight.dtype),
-                torch.arange(len(ids) - 1, device=device)[None],
-            )
-            logits = lm_head(pred.to(lm_head.weight.dtype)).float()
-        reg = F.smooth_l1_loss(pred.float()[:, :-1], feats.float()[:, 1:-1])
-        ce = F.cross_entropy(logits[0, :-1], ids[2:])
+                embed(ids[:, 1:]),
+                f[:, :-1] + noise,
+                torch.arange(ids.shape[1] - 1, device=device)[None].expand(len(pick), -1),
+            )  # pred[:, t] ~ f[:, t + 1]
+            logits = lm_head(pred[:, :-1].to(lm_head.weight.dtype)).float()  # ~ x[:, t + 2]
+        m = valid[:, 2:]  # positions t with both f_{t+1} and x_{t+2} real
+        reg = F.smooth_l1_loss(pred.float()[:, :-1], f[:, 1:-1], reduction="none").mean(-1) * m
+        reg = reg.sum() / m.sum()
+        ce = F.cross_entropy(logits.transpose(1, 2), ids[:, 2:], reduction="none")
+        ce = (ce * m).sum() / m.sum()
         loss = reg + 0.1 * ce
         opt.zero_grad()
         loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         opt.step()
-        log.append(
-            {
-                "step": step,
-                "loss": loss.item(),
-                "reg": reg.item(),
-                "ce": ce.item(),
-                "s": round(time.monotonic() - t_start, 2),
-            }
-        )
+        if step % 10 == 0:
+            log.append(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "reg": reg.item(),
+                    "ce": ce.item(),
+                    "s": round(time.monotonic() - t_start, 2),
+                }
+            )
         step += 1
     head = head.to(torch.bfloat16)
     head.save(a.out)
@@ -156,6 +218,7 @@ def main() -> None:
         "weights_bytes": size,
         "final_loss": log[-1] if log else None,
         "num_sequences": len(seqs),
+        "num_prompts": len(TRAIN[: a.num_prompts]),
         "num_tokens": int(sum(len(s) for s in seqs)),
     }
     with open(os.path.join(a.out, "train_log.json"), "w") as f:
