@@ -63,6 +63,59 @@ def make_runner(
     )
 
 
+def make_drafter(
+    name: str, k: int, model: torch.nn.Module, batch: int, eagle_head: str | None
+) -> Drafter:
+    if k == 0:
+        return NoDrafter()
+    if name.startswith("eagle"):
+        from worker.attention import ATTN_IMPLEMENTATION
+        from worker.drafters.eagle import EagleDrafter
+        from worker.eagle_head import EagleHead
+
+        param = next(model.parameters())
+        head = EagleHead.load(
+            eagle_head,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        return EagleDrafter(
+            head,
+            model,
+            vocab_size=model.config.get_text_config().vocab_size,
+            max_num_seqs=batch,
+            max_model_len=MAX_LEN,
+            max_num_tokens=k,
+        )
+    return NgramDrafter(min_n=1, max_n=4, max_num_tokens=k)
+
+
+def drafter_share(runner: ModelRunner, reqs: list[Req], tuner: SpeculationTuner | None) -> float:
+    """Share of a run's time spent proposing drafts, each call fenced by device syncs (an untimed
+    extra pass: the fences cost overlap, so the timed pass never has them)."""
+    propose = runner.drafter.propose
+    spent = [0.0]
+
+    def fenced(*args: Any, **kwargs: Any) -> Any:
+        sync()
+        t = time.perf_counter()
+        out = propose(*args, **kwargs)
+        sync()
+        spent[0] += time.perf_counter() - t
+        return out
+
+    runner.drafter.propose = fenced  # type: ignore[method-assign]
+    try:
+        sync()
+        t0 = time.perf_counter()
+        run(runner, reqs, 100_000, tuner)
+        sync()
+        return spent[0] / (time.perf_counter() - t0)
+    finally:
+        del runner.drafter.propose
+
+
 def decode(
     runner: ModelRunner,
     prompts: list[list[int]],
@@ -74,6 +127,8 @@ def decode(
     runner.target.decode.capture_all(max(len(p) for p in prompts) + max_tokens + k + 1)
     warm = [Req(f"w{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
     run(runner, warm, 100_000, tuner)
+    fenced = [Req(f"f{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
+    draft_share = drafter_share(runner, fenced, tuner) if k else 0.0
     reqs = [Req(f"r{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
     sync()
     steps0 = runner.num_steps
@@ -92,6 +147,7 @@ def decode(
         "step_s": dt / max(runner.num_steps - steps0, 1),
         "mean_len": 1 + sum(r.accepted for r in reqs) / max(spec_steps, 1),
         "per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
+        "drafter_share": draft_share,
     }
 
 
@@ -189,6 +245,7 @@ def main() -> None:
     ap.add_argument("--batch-invariant", default="off", help="off, pad or pad-fp32")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     ap.add_argument("--skip-hf", action="store_true", help="skip the HF generate reference")
+    ap.add_argument("--eagle-head", default=None, help="also rows for this EAGLE head (DIR)")
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -218,10 +275,11 @@ def main() -> None:
             else [prompts[i : i + batch] for i in range(0, len(prompts), batch)]
         )
         per: dict[str, dict[str, Any]] = {}
-        for name, k in (("none", 0), ("ngram", args.k), ("ngram+adaptive", args.k)):
-            drafter: Drafter = (
-                NoDrafter() if k == 0 else NgramDrafter(min_n=1, max_n=4, max_num_tokens=k)
-            )
+        configs = [("none", 0), ("ngram", args.k), ("ngram+adaptive", args.k)]
+        if args.eagle_head:
+            configs += [("eagle", args.k), ("eagle+adaptive", args.k)]
+        for name, k in configs:
+            drafter = make_drafter(name, k, model, batch, args.eagle_head)
             runner = make_runner(model, drafter, k, batch, mode, graphs)
             tuner = SpeculationTuner(k) if name.endswith("adaptive") else None
             parts = [decode(runner, g, args.max_tokens, k, tuner) for g in groups]
@@ -238,6 +296,7 @@ def main() -> None:
                     for i in range(args.k)
                 ],
                 "runner": runner,
+                "drafter_share": sum(p["drafter_share"] for p in parts) / len(parts),
             }
         base = per["none"]
         for name in per:
@@ -252,6 +311,7 @@ def main() -> None:
                 "equal_prefix": prefix,
                 "mean_acceptance_length": r["mean_len"] if name != "none" else 1.0,
                 "acceptance_per_position": r["per_position"] if name != "none" else [],
+                "drafter_share_of_time": r["drafter_share"],
             }
             if batch == 1:
                 row["per_kind_x_none"] = {
@@ -286,16 +346,19 @@ def main() -> None:
             results["hf_error"] = repr(e)
     print(f"batch_invariant={mode} dtype={model.dtype} cuda_graphs={graphs}")
     print(
-        "| drafter | batch | tok/s | × none | equal tokens | equal prefix | mean acceptance length |"
+        "| drafter | batch | tok/s | × none | equal tokens | equal prefix | mean acceptance length "
+        "| drafting share of time |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['drafter']} | {r['batch']} | {r['tps']:.1f} | {r['x_none']:.2f} | "
-            f"{r['equal_tokens']:.4f} | {r['equal_prefix']:.4f} | {r['mean_acceptance_length']:.2f} |"
+            f"{r['equal_tokens']:.4f} | {r['equal_prefix']:.4f} | {r['mean_acceptance_length']:.2f} | "
+            f"{r['drafter_share_of_time']:.2f} |"
         )
     for r in rows:
-        if r["drafter"] == "ngram" and r["batch"] == 1:
+        if r["drafter"] in ("ngram", "eagle") and r["batch"] == 1:
+            print(r["drafter"], end=" ")
             print(
                 "per kind (× none, batch 1):",
                 json.dumps({k: round(v, 2) for k, v in r["per_kind_x_none"].items()}),

@@ -279,12 +279,19 @@ def evaluate(a: argparse.Namespace, tok, directory: str) -> dict[str, float]:
     for name, drafter in drafters.items():
         k = 0 if name == "none" else 4
         runner = ModelRunner(
-            ModelExecutor(target, max_num_seqs=1, max_model_len=1024, decode_width=1 + k),
+            ModelExecutor(
+                target,
+                max_num_seqs=1,
+                max_model_len=1024,
+                decode_width=1 + k,
+                batch_invariant="pad" if device.type == "cuda" else "off",
+            ),
             drafter,
             max_num_seqs=1,
             max_model_len=1024,
             max_num_draft_tokens=max(k, 1),
         )
+        runner.target.decode.capture_all(max(map(len, prompts)) + a.eval_tokens + k + 1)
         run(runner, [Req("warm", prompts[0], 8, k=k)], 10_000)
         t0 = time.perf_counter()
         reqs = [Req(f"r{i}", p, a.eval_tokens, k=k) for i, p in enumerate(prompts)]

@@ -151,7 +151,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "--eagle-head",
         default=None,
         help="folder of an EAGLE-style head trained for the target (config.json and "
-        "model.safetensors; with --drafter eagle)",
+        "model.safetensors; with --drafter eagle); 'embedded' is the head shipped for the "
+        "embedded SmolLM2",
     )
     ap.add_argument(
         "--tensor-parallel-size",

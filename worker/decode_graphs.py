@@ -15,6 +15,7 @@ buffer it waits on the event of the previous copy (the copy may still be reading
 
 from __future__ import annotations
 
+import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -164,8 +165,16 @@ class DecodeGraphs:
                 self.dense_forward(*args)
         torch.cuda.current_stream(self.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            shape.logits, shape.hidden = self.dense_forward(*args)
+        # A garbage collection inside the capture can free another runner's graphs, and
+        # destroying a graph while a stream captures invalidates the capture (seen on the H200
+        # when a benchmark built its second runner): collect first, then hold the collector off.
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                shape.logits, shape.hidden = self.dense_forward(*args)
+        finally:
+            gc.enable()
         shape.graph = graph
         self.num_captured += 1
         log.debug(

@@ -22,6 +22,13 @@ from transformers import LlamaConfig, LlamaModel
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+# ``--eagle-head embedded``: the head distilled for the embedded SmolLM2-135M
+# (bench/train_eagle.py; its loss curve and log sit beside it)
+EMBEDDED_HEAD = Path(__file__).parent / "heads" / "smollm2-eagle"
+
+
+def resolve_head_dir(name: str | Path) -> Path:
+    return EMBEDDED_HEAD if str(name) == "embedded" else Path(name)
 
 
 def head_config(target_config: Any, **overrides: Any) -> LlamaConfig:
@@ -90,7 +97,7 @@ class EagleHead(nn.Module):
     ) -> EagleHead:
         from safetensors.torch import load_file
 
-        d = Path(directory)
+        d = resolve_head_dir(directory)
         raw = json.loads((d / CONFIG_FILE).read_text())
         config = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures",)})
         head = cls(config, attn_implementation)
