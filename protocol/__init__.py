@@ -16,6 +16,7 @@ from protocol.messages import (
     SchedulerHello,
     SchedulerOutput,
     Shutdown,
+    StepBitmask,
     WorkerError,
     WorkerReady,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "SchedulerHello",
     "SchedulerOutput",
     "Shutdown",
+    "StepBitmask",
     "TransportConfig",
     "WorkerError",
     "WorkerReady",

@@ -24,7 +24,7 @@ import msgspec
 import numpy as np
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 0
+PROTOCOL_MINOR = 1  # 1: overlap scheduling (draft_widths_are_caps, deferred_req_ids, StepBitmask)
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -93,6 +93,11 @@ class SchedulerOutput(_Msg, tag="sched", frozen=True):
     * ``grammar_bitmask`` int32 [num_rows, ceil(vocab/32)] or None; ``structured_req_ids`` name the
       requests that own rows and ``cu_bitmask_rows`` int32 [num_structured + 1] their row ranges. A
       request's rows are ``1 + num_draft_tokens``: row i is the grammar state after drafts 0..i-1.
+    * ``draft_widths_are_caps`` (overlap scheduling, minor 1): the scheduler sent this step before it
+      saw the drafts, so a request's placeholder width is a cap: the worker runs
+      ``min(width, drafts it proposed)`` of its own drafts and reports the width it used.
+    * ``deferred_req_ids`` (minor 1): structured requests whose bitmask rows come later in a
+      ``StepBitmask`` for this step (their previous tokens were still pending when it was sent).
     """
 
     step_id: int
@@ -107,6 +112,25 @@ class SchedulerOutput(_Msg, tag="sched", frozen=True):
     cu_bitmask_rows: Array | None = None
     grammar_bitmask: Array | None = None
     pending_structured_output_tokens: bool = False
+    draft_widths_are_caps: bool = False
+    deferred_req_ids: list[str] = msgspec.field(default_factory=list)
+
+
+class StepBitmask(_Msg, tag="bitmask", frozen=True):
+    """The deferred grammar rows of step ``step_id`` (overlap scheduling, minor 1), sent once the
+    scheduler has committed the previous step's tokens and validated the drafts the worker proposed
+    after it. Per request of ``req_ids`` (the step's ``deferred_req_ids``, same order):
+    ``num_valid_drafts`` int32 — how many of the drafts the worker verifies this step are valid under
+    the grammar (0 when the scheduler never saw them: fail closed) — and ``num_valid_drafts + 1``
+    rows in ``grammar_bitmask`` (range ``cu_bitmask_rows[i] .. cu_bitmask_rows[i + 1]``): row j is the
+    grammar state after valid drafts 0..j-1. The worker accepts at most ``num_valid_drafts`` drafts.
+    """
+
+    step_id: int
+    req_ids: list[str]
+    num_valid_drafts: Array
+    cu_bitmask_rows: Array
+    grammar_bitmask: Array
 
 
 class ModelRunnerOutput(_Msg, tag="out", frozen=True):
@@ -172,6 +196,7 @@ Message = (
     SchedulerHello
     | WorkerReady
     | SchedulerOutput
+    | StepBitmask
     | ModelRunnerOutput
     | DraftTokenIds
     | Ping

@@ -12,6 +12,8 @@ hands, and runs the step loop in the calling thread.
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import itertools
 import logging
 import os
@@ -103,6 +105,17 @@ class Engine:
             self.close()
             raise
         self.ready = ready
+        # overlap scheduling needs a worker that knows capped widths and deferred rows (minor 1)
+        self.overlap = config.scheduler.async_scheduling and ready.protocol_minor >= 1
+        if config.scheduler.async_scheduling and not self.overlap:
+            log.warning(
+                "the worker speaks protocol minor %d: overlap scheduling is off",
+                ready.protocol_minor,
+            )
+        self.in_flight: collections.deque[SchedulerOutput] = collections.deque()
+        self._last_output_s = time.perf_counter()
+        self._sent_s: dict[int, float] = {}
+        self.num_deferred_bitmasks = 0
         self._ids = itertools.count()
         self.started_s = time.monotonic()
 
@@ -222,13 +235,25 @@ class Engine:
             self.prom.running.set(len(self.scheduler.running))
 
     def _step(self) -> list[Request]:
-        sched = self.scheduler.schedule()
-        if sched is None:
-            return []
-        t0 = time.perf_counter()
+        """Receive one step's output. In sync mode the step is scheduled and sent first; with
+        overlap (``async_scheduling``) the next step is sent before this one's output is read,
+        and its deferred grammar rows follow once this one's tokens are committed."""
+        sch = self.scheduler
         try:
-            result = self.client.step(sched)
+            if not self.in_flight:
+                sched = sch.schedule()
+                if sched is None:
+                    return []
+                self._send(sched)
+            if self.overlap and len(self.in_flight) == 1:
+                nxt = sch.schedule()
+                if nxt is not None:
+                    self._send(nxt)
+            cur = self.in_flight.popleft()
+            result = self.client.receive(cur)
         except WorkerDied as e:
+            self.in_flight.clear()
+            self._sent_s.clear()
             if self.num_worker_restarts < self.config.max_worker_restarts:
                 self._recover(e)
                 return []
@@ -237,24 +262,43 @@ class Engine:
         except StepRefused as e:
             # A refused step is a disagreement between us and the worker: it is our bug or theirs,
             # and the safe answer is to end the requests it names (or all of this step's).
-            names = [e.err.req_id] if e.err.req_id else list(sched.req_ids)
+            names = [e.err.req_id] if e.err.req_id else list(cur.req_ids)
             for req_id in names:
-                self.scheduler.fail(req_id, str(e))
+                sch.fail(req_id, str(e))
             # the worker keeps nothing of a refused step: its other new requests start over
-            self.scheduler.unsend([r.req_id for r in sched.new_requests if r.req_id not in names])
-            self.scheduler.step_id = sched.step_id + 1
-            self.scheduler.last_done_step = sched.step_id
-            return [self.scheduler.requests[r] for r in names if r in self.scheduler.requests]
-        self._observe(sched, time.perf_counter() - t0)
+            sch.unsend([r.req_id for r in cur.new_requests if r.req_id not in names])
+            sch.step_refused(cur)
+            sch.last_done_step = cur.step_id
+            self._send_deferred()
+            return [sch.requests[r] for r in names if r in sch.requests]
+        now = time.perf_counter()
+        # the worker's time for this step: from its send, or from the last output when the
+        # step was already queued behind that one (overlap)
+        self._observe(cur, now - max(self._last_output_s, self._sent_s.pop(cur.step_id, now)))
+        self._last_output_s = now
         failed = []
         for err in result.request_errors:
             if err.req_id is not None:
-                self.scheduler.fail(err.req_id, f"worker refused the request: {err.message}")
-                failed.append(self.scheduler.requests[err.req_id])
-        done = self.scheduler.update(result.output)
+                sch.fail(err.req_id, f"worker refused the request: {err.message}")
+                failed.append(sch.requests[err.req_id])
+        done = sch.update(result.output)
         if result.drafts is not None:
-            self.scheduler.take_drafts(result.drafts)
+            sch.take_drafts(result.drafts)
+        self._send_deferred()
         return failed + done
+
+    def _send(self, sched: SchedulerOutput) -> None:
+        self.client.send_step(sched)
+        self.in_flight.append(sched)
+        self._sent_s[sched.step_id] = time.perf_counter()
+
+    def _send_deferred(self) -> None:
+        """The next step in flight waits for its deferred rows: send them now."""
+        if self.in_flight and self.in_flight[0].deferred_req_ids:
+            # a death here is reported (and recovered from) by the next receive
+            with contextlib.suppress(WorkerDied):
+                self.client.send_step(self.scheduler.deferred_bitmask(self.in_flight[0]))
+                self.num_deferred_bitmasks += 1
 
     def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
         """Feed the speculation tuner the cost of a decode-only step (no prefill chunk)."""

@@ -41,6 +41,17 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="do not offer grammar-forced tokens as drafts",
     )
+    ap.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="overlap scheduling: send the next step before this one's output arrives "
+        "(structured greedy requests get their grammar rows in a deferred message)",
+    )
+    ap.add_argument(
+        "--no-adaptive-speculation",
+        action="store_true",
+        help="always verify every draft (default: choose the width from measured goodput)",
+    )
     ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
     ap.add_argument(
         "--max-worker-restarts",
@@ -79,5 +90,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_num_seqs=a.max_num_seqs,
             max_num_batched_tokens=a.max_num_batched_tokens,
             forced_drafts=not a.no_forced_drafts,
+            async_scheduling=a.async_scheduling,
+            adaptive_speculation=not a.no_adaptive_speculation,
         ),
     )

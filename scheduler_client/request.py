@@ -46,6 +46,11 @@ class Request:
     grammar_drafts: np.ndarray | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     num_judged: int = 0  # drafts the target judged (accepted ones + the first rejected)
+    # overlap scheduling: steps sent whose output has not arrived
+    num_inflight: int = 0  # non-draft tokens they run
+    pending_samples: int = 0  # how many of them sample this request
+    inflight_max_new: int = 0  # the most tokens they can commit
+    last_drafts: np.ndarray | None = None  # raw drafts proposed after the last output (or None)
 
     @property
     def num_tokens(self) -> int:

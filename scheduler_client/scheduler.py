@@ -19,7 +19,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from protocol.messages import DraftTokenIds, ModelRunnerOutput, NewRequest, SchedulerOutput
+from protocol.messages import (
+    DraftTokenIds,
+    ModelRunnerOutput,
+    NewRequest,
+    SchedulerOutput,
+    StepBitmask,
+)
 from scheduler_client.grammar import GrammarBackend, GrammarError
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
@@ -36,6 +42,9 @@ class SchedulerConfig:
     # choose each decode step's draft width from measured goodput (spec_tuner.py); off: always
     # verify every draft the request has
     adaptive_speculation: bool = True
+    # overlap (async) scheduling: the next step is sent before this one's output arrives, with
+    # draft widths as caps and structured greedy requests' bitmasks deferred (StepBitmask)
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -78,6 +87,10 @@ class Scheduler:
         self.step_id = 0
         self.last_done_step = -1
         self.inflight: dict[str, tuple[int, int]] = {}  # req_id -> (scheduled, drafts) this step
+        # step_id -> (that step's inflight, the requests it samples); one entry in sync mode, up
+        # to two with overlap
+        self.steps: dict[int, tuple[dict[str, tuple[int, int]], set[str]]] = {}
+        self._sampling: set[str] = set()
         self.metrics = RequestMetrics()
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
@@ -148,6 +161,7 @@ class Scheduler:
             req.status = Status.WAITING
             req.num_computed = 0
             req.sent_to_worker = False
+            _clear_inflight(req)
             self.waiting.appendleft(req)
 
     def requeue_all(self) -> None:
@@ -160,14 +174,16 @@ class Scheduler:
             req.sent_to_worker = False
             req.draft_ids = np.zeros(0, np.int32)
             req.grammar_drafts = None
+            _clear_inflight(req)
             self.waiting.appendleft(req)
         self.running = []
         self.to_free, self.to_abort = [], []
         self.inflight = {}
+        self.steps = {}
         self.last_done_step = self.step_id - 1
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running or self.to_free or self.to_abort)
+        return bool(self.waiting or self.running or self.to_free or self.to_abort or self.steps)
 
     def fail(self, req_id: str, message: str) -> None:
         """The worker refused this request; it ends with ``message``, the others go on."""
@@ -198,27 +214,60 @@ class Scheduler:
         widths: list[int] = []
         drafts: list[np.ndarray] = []
         rows: list[tuple[Request, int]] = []  # structured requests that sample, with their width
+        deferred: list[str] = []
         self.inflight = {}
+        self._sampling = set()
         width_cap = self._batch_width()
+        limit = self.limits.max_model_len
 
         def place(req: Request) -> bool:
             nonlocal budget
-            uncomputed = req.num_tokens - req.num_computed
+            if req.pending_samples:
+                return place_pending(req)
+            uncomputed = req.num_tokens - req.num_computed - req.num_inflight
             m = min(uncomputed, budget, self.config.max_prefill_chunk)
             if m <= 0:
                 return False
             samples = m == uncomputed
             w = min(len(req.draft_ids), budget - m, width_cap) if samples else 0
             req.draft_ids = req.draft_ids[:w]
+            put(req, m, w, req.draft_ids, samples)
+            if samples and req.matcher is not None:
+                rows.append((req, w))
+            return True
+
+        def place_pending(req: Request) -> bool:
+            """Overlap: its last token is still being sampled; run it with the worker's own
+            drafts, the width a cap (the worker uses as many as it proposed)."""
+            nonlocal budget
+            done = len(req.output_ids) + req.pending_samples >= req.sampling.max_tokens
+            if done or budget < 1:
+                return False  # surely finished by the steps in flight, or no room
+            if req.matcher is not None and req.sampling.temperature > 0:
+                return False  # a sampled structured request waits for its rows (no cap there)
+            room = limit - (req.num_tokens + req.inflight_max_new) - 1
+            if room < 0:
+                return False
+            w = min(req.num_speculative_tokens, budget - 1, width_cap, room)
+            put(req, 1, w, np.full(w, -1, np.int32), True)
+            if req.matcher is not None:
+                deferred.append(req.req_id)
+            return True
+
+        def put(req: Request, m: int, w: int, ids_: np.ndarray, samples: bool) -> None:
+            nonlocal budget
             budget -= m + w
             ids.append(req.req_id)
             counts.append(m + w)
             widths.append(w)
-            drafts.append(req.draft_ids)
+            drafts.append(ids_)
             self.inflight[req.req_id] = (m + w, w)
-            if samples and req.matcher is not None:
-                rows.append((req, w))
-            return True
+            if samples:
+                self._sampling.add(req.req_id)
+            if self.config.async_scheduling:
+                req.num_inflight += m
+                req.pending_samples += int(samples)
+                req.inflight_max_new += (1 + w) if samples else 0
 
         for req in self.running:
             if budget <= 0:
@@ -258,21 +307,81 @@ class Scheduler:
             structured_req_ids=structured_ids,
             cu_bitmask_rows=cu,
             grammar_bitmask=bitmask,
+            draft_widths_are_caps=self.config.async_scheduling,
+            deferred_req_ids=deferred,
         )
         self.to_free, self.to_abort = [], []
+        self.steps[self.step_id] = (self.inflight, self._sampling)
         self.step_id += 1
         return out
+
+    def step_refused(self, sched: SchedulerOutput) -> None:
+        """The worker applied nothing of ``sched``: its in-flight accounting goes."""
+        self._settle(sched.step_id)
+
+    def _settle(self, step_id: int) -> dict[str, tuple[int, int]]:
+        """Remove a step from the in-flight books; returns its (scheduled, drafts) per request."""
+        step, sampling = self.steps.pop(step_id, ({}, set()))
+        if self.config.async_scheduling:
+            for req_id, (n, w) in step.items():
+                req = self.requests.get(req_id)
+                if req is None:
+                    continue
+                req.num_inflight = max(req.num_inflight - (n - w), 0)
+                if req_id in sampling and req.pending_samples:
+                    req.pending_samples -= 1
+                    req.inflight_max_new = max(req.inflight_max_new - (1 + w), 0)
+        return step
+
+    def deferred_bitmask(self, sched: SchedulerOutput) -> StepBitmask:
+        """The rows ``sched`` deferred, now that the previous step's tokens are committed: per
+        request the drafts the worker proposed after that step, validated up to the width the
+        step allowed; rows for the valid prefix only (the worker caps acceptance there). A
+        request without fresh drafts gets 0 valid drafts (fail closed); one that has finished
+        meanwhile gets an allow-all row (its output is discarded)."""
+        step = self.steps.get(sched.step_id, ({}, set()))[0]
+        valid = np.zeros(len(sched.deferred_req_ids), np.int32)
+        parts: list[np.ndarray] = []
+        for i, req_id in enumerate(sched.deferred_req_ids):
+            req = self.requests.get(req_id)
+            if req is None or req.finished or req.matcher is None:
+                parts.append(np.full((1, self.words), -1, np.int32))
+                continue
+            w = step.get(req_id, (0, 0))[1]
+            raw = req.last_drafts[:w].tolist() if req.last_drafts is not None else []
+            v = req.matcher.validate(raw) if raw else 0
+            req.metrics.num_grammar_invalid += len(raw) - v
+            block = np.empty((v + 1, self.words), np.int32)
+            req.matcher.fill_rows(block, 0, raw[:v])
+            parts.append(block)
+            valid[i] = v
+        cu = np.zeros(len(parts) + 1, np.int32)
+        cu[1:] = np.cumsum([len(b) for b in parts])
+        return StepBitmask(
+            step_id=sched.step_id,
+            req_ids=list(sched.deferred_req_ids),
+            num_valid_drafts=valid,
+            cu_bitmask_rows=cu,
+            grammar_bitmask=np.concatenate(parts),
+        )
 
     def _batch_width(self) -> int:
         """The most drafts any request verifies this step (the tuner's choice, or no limit)."""
         if self.tuner is None:
             return 1 << 30
         # every running request that samples this step counts (one token each, drafts or not)
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed == 1]
-        if not any(len(r.draft_ids) for r in decoding):
+        decoding = [
+            r
+            for r in self.running
+            if r.pending_samples or r.num_tokens - r.num_computed - r.num_inflight == 1
+        ]
+        avail = [
+            r.num_speculative_tokens if r.pending_samples else len(r.draft_ids) for r in decoding
+        ]
+        if not any(avail):
             return 0
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
-        return self.tuner.choose(alphas, [len(r.draft_ids) for r in decoding])
+        return self.tuner.choose(alphas, avail)
 
     def _bitmask(
         self, rows: list[tuple[Request, int]]
@@ -294,9 +403,11 @@ class Scheduler:
 
     def update(self, out: ModelRunnerOutput) -> list[Request]:
         """Commit the step's sampled tokens; returns the requests that finished."""
-        if out.step_id != self.step_id - 1:
-            raise ValueError(f"output for step {out.step_id}, expected step {self.step_id - 1}")
+        expected = min(self.steps, default=self.step_id - 1)
+        if out.step_id != expected:
+            raise ValueError(f"output for step {out.step_id}, expected step {expected}")
         self.last_done_step = out.step_id
+        inflight = self._settle(out.step_id)
         done: list[Request] = []
         off = 0
         for i, req_id in enumerate(out.req_ids):
@@ -304,7 +415,7 @@ class Scheduler:
             tokens = out.sampled_token_ids[off : off + n].tolist()
             off += n
             req = self.requests.get(req_id)
-            sched = self.inflight.get(req_id)
+            sched = inflight.get(req_id)
             if req is None or sched is None or req.finished:
                 continue
             scheduled, w = sched
@@ -312,6 +423,7 @@ class Scheduler:
             req.num_computed += scheduled - w + (accepted if n else 0)
             req.draft_ids = np.zeros(0, np.int32)
             req.grammar_drafts = None
+            req.last_drafts = None
             if not n:
                 continue
             w = int(out.num_draft_tokens[i])
@@ -378,6 +490,7 @@ class Scheduler:
             if stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:
                 req.metrics.num_stale += 1
                 req.draft_ids = np.zeros(0, np.int32)
+                req.last_drafts = None
                 continue
             cap = min(
                 req.num_speculative_tokens,
@@ -385,6 +498,7 @@ class Scheduler:
                 self.limits.max_model_len - req.num_tokens,
             )
             cap = max(cap, 0)
+            req.last_drafts = ids
             ids = ids[:cap]
             if req.matcher is None:
                 req.draft_ids = np.full(len(ids), -1, np.int32)
@@ -405,3 +519,8 @@ class Scheduler:
             req.draft_ids = np.concatenate(
                 [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
             )
+
+
+def _clear_inflight(req: Request) -> None:
+    req.num_inflight = req.pending_samples = req.inflight_max_new = 0
+    req.last_drafts = None

@@ -22,6 +22,7 @@ from protocol import (
     SchedulerHello,
     SchedulerOutput,
     Shutdown,
+    StepBitmask,
     TransportConfig,
     WorkerError,
     WorkerReady,
@@ -151,6 +152,14 @@ class WorkerClient:
     def step(self, sched: SchedulerOutput) -> StepResult:
         """Send one step; return its output and the drafts proposed after it."""
         self._send(sched)
+        return self.receive(sched)
+
+    def send_step(self, msg: SchedulerOutput | StepBitmask) -> None:
+        """Overlap scheduling: send a step (or a step's deferred rows) without waiting."""
+        self._send(msg)
+
+    def receive(self, sched: SchedulerOutput) -> StepResult:
+        """The output of a step already sent, and the drafts proposed after it."""
         deadline = time.monotonic() + self.step_timeout_s
         errors: list[WorkerError] = []
         while True:

@@ -165,3 +165,32 @@ def test_scheduler_side_never_imports_torch(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "clean" in out.stdout
+
+
+def test_a_minor_0_decoder_reads_a_minor_1_scheduler_output() -> None:
+    """Overlap scheduling added two trailing fields to SchedulerOutput (minor 1); a decoder that
+    knows only minor 0's fields reads such a step (as a sync step) without error."""
+
+    class SchedulerOutputV0(msgspec.Struct, tag="sched", array_like=True, gc=False):
+        step_id: int
+        new_requests: list[object]
+        req_ids: list[str]
+        num_scheduled_tokens: object  # array references: an extension type on the wire
+        num_draft_tokens: object
+        draft_token_ids: object
+        finished_req_ids: list[str]
+        aborted_req_ids: list[str]
+        structured_req_ids: list[str]
+        cu_bitmask_rows: object = None
+        grammar_bitmask: object = None
+        pending_structured_output_tokens: bool = False
+
+    new = msgspec.structs.replace(
+        sched_output(3), draft_widths_are_caps=True, deferred_req_ids=["r0"]
+    )
+    header = Codec().encode(new)[0]
+    _major, minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
+    assert minor == m.PROTOCOL_MINOR >= 1
+    old = msgspec.msgpack.Decoder(SchedulerOutputV0).decode(body)
+    assert old.step_id == new.step_id and old.req_ids == new.req_ids
+    assert old.structured_req_ids == new.structured_req_ids

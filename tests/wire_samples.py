@@ -69,6 +69,8 @@ def all_messages() -> list[m.Message]:
         cu_bitmask_rows=with_new.cu_bitmask_rows,
         grammar_bitmask=with_new.grammar_bitmask,
         pending_structured_output_tokens=True,
+        draft_widths_are_caps=True,
+        deferred_req_ids=["new-1"],
     )
     return [
         m.SchedulerHello(
@@ -99,6 +101,13 @@ def all_messages() -> list[m.Message]:
             logprobs=np.array([-0.1, -0.2, -3.0], np.float32),
         ),
         draft_ids(4),
+        m.StepBitmask(
+            step_id=4,
+            req_ids=["a"],
+            num_valid_drafts=np.array([1], np.int32),
+            cu_bitmask_rows=np.array([0, 2], np.int32),
+            grammar_bitmask=np.full((2, (VOCAB + 31) // 32), -1, np.int32),
+        ),
         m.Ping(seq=1),
         m.Pong(seq=1, num_steps=10),
         m.WorkerError(code="bad_message", message="x", step_id=None, req_id="a", fatal=False),

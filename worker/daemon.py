@@ -28,6 +28,7 @@ from protocol import (
     SchedulerHello,
     SchedulerOutput,
     Shutdown,
+    StepBitmask,
     WorkerError,
     WorkerReady,
     bind_router,
@@ -253,6 +254,9 @@ class WorkerLoop:
                 )
                 return
             self.step(identity, msg)
+        elif isinstance(msg, StepBitmask):
+            # rows for a step that was refused before it waited for them: nothing to do
+            log.debug("late bitmask for step %d dropped", msg.step_id)
         else:
             self.reply(
                 identity,
@@ -265,7 +269,7 @@ class WorkerLoop:
     def step(self, identity: bytes, sched: SchedulerOutput) -> None:
         t0 = time.perf_counter()
         try:
-            out, rejected = self.runner.execute(sched)
+            out, rejected = self.runner.execute(sched, self.wait_bitmask)
         except StepError as e:
             log.warning("step %d refused: %s", sched.step_id, e)
             self.reply(
@@ -285,6 +289,38 @@ class WorkerLoop:
         drafts = self.runner.take_draft_tokens()
         if drafts is not None:
             self.reply(identity, drafts)
+
+    def wait_bitmask(self, step_id: int) -> StepBitmask:
+        """Overlap scheduling: the step's deferred grammar rows, read while the GPU computes.
+        Pings are answered meanwhile; anything else from the scheduler, or silence past the peer
+        timeout, refuses the step (nothing of it is applied)."""
+        deadline = time.monotonic() + self.peer_timeout_s
+        while time.monotonic() < deadline:
+            frames = self.chan.recv_frames(timeout_ms=200)
+            if frames is None:
+                continue
+            identity = frames[0].bytes
+            try:
+                msg = self.chan.codec.decode([f.buffer for f in frames[1:]])
+            except ProtocolError as e:
+                self.reply(identity, WorkerError(code=e.code, message=str(e)))
+                continue
+            if identity != self.peer:
+                self.dispatch(identity, msg)  # a health check or a stranger: not our step
+                continue
+            self.peer_seen = time.monotonic()
+            if isinstance(msg, Ping):
+                self.reply(identity, Pong(seq=msg.seq, num_steps=self.runner.num_steps))
+            elif isinstance(msg, StepBitmask) and msg.step_id == step_id:
+                return msg
+            else:
+                raise StepError(
+                    "bad_step",
+                    f"step {step_id}: waiting for its deferred bitmask, got {type(msg).__name__}",
+                )
+        raise StepError(
+            "bad_step", f"step {step_id}: no deferred bitmask within {self.peer_timeout_s:.0f} s"
+        )
 
     def reply(self, identity: bytes, msg: object) -> None:
         if isinstance(msg, WorkerError):

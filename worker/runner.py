@@ -13,12 +13,13 @@ are committed; otherwise it was a prefill chunk and nothing is sampled.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput
+from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput, StepBitmask
 from worker.draft_tokens import DraftTokensHandler
 from worker.drafters.base import Drafter
 from worker.model_executor import ModelExecutor
@@ -86,13 +87,20 @@ class ModelRunner:
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
-        """Run one step. Requests the worker refuses come back as errors; the rest run."""
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        wait_bitmask: Callable[[int], StepBitmask] | None = None,
+    ) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
+        """Run one step. Requests the worker refuses come back as errors; the rest run.
+        ``wait_bitmask(step_id)`` returns the step's deferred grammar rows (overlap scheduling):
+        it is called after the forward has been launched, before anything is sampled."""
         self.draft_tokens.begin_step(sched.step_id)
         rejected = self.update_requests(sched)
         try:
             batch = self.prepare(sched, {e.req_id for e in rejected})
             grammar_plan = self.plan_grammar(sched, batch)
+            self.check_deferred(sched, batch, wait_bitmask)
         except StepError:
             # Nothing of a refused step stays applied: its new requests leave again.
             for req in sched.new_requests:
@@ -112,8 +120,16 @@ class ModelRunner:
             batch.num_scheduled,
             batch.logits_indices,
         )  # logits [num_logit_rows, vocab]
-        self.apply_grammar(sched, grammar_plan, logits)
+        self.apply_grammar(sched.grammar_bitmask, grammar_plan, logits)
+        caps: dict[int, int] = {}
+        if sched.deferred_req_ids:
+            assert wait_bitmask is not None
+            deferred = wait_bitmask(sched.step_id)  # the GPU computes meanwhile
+            plan, caps = self.plan_deferred(sched, deferred, batch)
+            self.apply_grammar(deferred.grammar_bitmask, plan, logits)
         tokens, num_accepted = self.accept(sched, batch, logits)
+        for j, cap in caps.items():  # at most the drafts the grammar allows (greedy only)
+            num_accepted[j] = min(int(num_accepted[j]), cap)
         num_sampled = self.commit(batch, tokens, num_accepted)
         if self.drafter.needs_hidden_states:
             self.feed_hidden_states(batch, hidden, num_accepted)
@@ -190,6 +206,14 @@ class ModelRunner:
                     f"step {sched.step_id}: request {req_id!r} is not running on this worker",
                     req_id,
                 )
+            if (
+                sched.draft_widths_are_caps
+                and w > int(st.num_drafts[slot])
+                and (sched.draft_token_ids[d_off : d_off + w] < 0).all()
+            ):
+                # overlap: the width was chosen before the drafts existed; run the ones we have
+                # (a width with real ids in it was built from drafts the scheduler saw: exact)
+                n, w = n - w + int(st.num_drafts[slot]), int(st.num_drafts[slot])
             c, length = int(st.num_computed[slot]), int(st.num_tokens[slot])
             m = n - w
             if m < 1 or c + m > length:
@@ -342,14 +366,88 @@ class ModelRunner:
             mask_rows.extend(range(int(cu[k]), int(cu[k + 1])))
         return rows, mask_rows
 
+    def check_deferred(
+        self,
+        sched: SchedulerOutput,
+        batch: StepBatch,
+        wait_bitmask: Callable[[int], StepBitmask] | None,
+    ) -> None:
+        """Deferred rows only for greedy requests that sample this step (a cap on acceptance is
+        exact for greedy verification only), and only with a way to receive them."""
+        if not sched.deferred_req_ids:
+            return
+        if wait_bitmask is None:
+            raise StepError(
+                "bad_step", f"step {sched.step_id}: deferred bitmasks are not supported here"
+            )
+        sampling = {batch.req_ids[i]: batch.slots[i] for i in batch.sample_idx}
+        for req_id in sched.deferred_req_ids:
+            slot = sampling.get(req_id)
+            if slot is None or req_id in sched.structured_req_ids:
+                raise StepError(
+                    "bad_step",
+                    f"step {sched.step_id}: deferred bitmask for {req_id!r}, which does not "
+                    "sample this step or already has rows",
+                    req_id,
+                )
+            if self.states.sampling[slot].temperature != 0:  # type: ignore[union-attr]
+                raise StepError(
+                    "bad_step",
+                    f"step {sched.step_id}: deferred bitmask for sampled request {req_id!r} "
+                    "(only greedy requests may be deferred)",
+                    req_id,
+                )
+
+    def plan_deferred(
+        self, sched: SchedulerOutput, msg: StepBitmask, batch: StepBatch
+    ) -> tuple[tuple[list[int], list[int]], dict[int, int]]:
+        """Logit rows <- deferred bitmask rows: request position i takes row min(i, valid), and
+        acceptance is capped at ``valid`` (positions past it are never accepted, so their row
+        does not matter). Returns the plan and {sampling index: cap}."""
+        words = (self.vocab_size + 31) // 32
+        cu, bm, valid = msg.cu_bitmask_rows, msg.grammar_bitmask, msg.num_valid_drafts
+        if (
+            msg.step_id != sched.step_id
+            or list(msg.req_ids) != list(sched.deferred_req_ids)
+            or bm.ndim != 2
+            or bm.shape[1] != words
+            or len(cu) != len(msg.req_ids) + 1
+            or len(valid) != len(msg.req_ids)
+            or cu[0] != 0
+            or cu[-1] > bm.shape[0]
+            or (np.diff(cu) != valid + 1).any()
+            or (valid < 0).any()
+        ):
+            raise StepError(
+                "bad_step",
+                f"step {sched.step_id}: the deferred bitmask does not fit the step (step "
+                f"{msg.step_id}, requests {list(msg.req_ids)} for {list(sched.deferred_req_ids)}, "
+                f"rows {bm.shape}, cu {cu.tolist()}, valid {valid.tolist()})",
+            )
+        where = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_idx)}
+        rows: list[int] = []
+        mask_rows: list[int] = []
+        caps: dict[int, int] = {}
+        for k, req_id in enumerate(msg.req_ids):
+            j = where[req_id]
+            v = int(valid[k])
+            for pos, row in enumerate(range(batch.cu_rows[j], batch.cu_rows[j + 1])):
+                rows.append(row)
+                mask_rows.append(int(cu[k]) + min(pos, v))
+            caps[j] = v
+        return (rows, mask_rows), caps
+
     def apply_grammar(
-        self, sched: SchedulerOutput, plan: tuple[list[int], list[int]], logits: torch.Tensor
+        self,
+        grammar_bitmask: np.ndarray | None,
+        plan: tuple[list[int], list[int]],
+        logits: torch.Tensor,
     ) -> None:
         rows, mask_rows = plan
         if not rows:
             return
-        assert sched.grammar_bitmask is not None
-        bitmask = torch.from_numpy(np.ascontiguousarray(sched.grammar_bitmask[mask_rows]))
+        assert grammar_bitmask is not None
+        bitmask = torch.from_numpy(np.ascontiguousarray(grammar_bitmask[mask_rows]))
         apply_bitmask_(
             logits,
             torch.tensor(rows, device=logits.device),

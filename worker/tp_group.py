@@ -73,7 +73,14 @@ class BroadcastRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
-    def execute(self, sched: SchedulerOutput) -> Any:
+    def execute(self, sched: SchedulerOutput, wait_bitmask: Any = None) -> Any:
+        if sched.deferred_req_ids:
+            # the other ranks would need the late rows too; overlap runs without TP for now
+            raise StepError(
+                "bad_step",
+                f"step {sched.step_id}: deferred bitmasks are not supported with tensor "
+                "parallelism (run the scheduler without --async-scheduling)",
+            )
         _send(OP_STEP, _pack(self._codec.encode(sched)), self._device)
         return self._runner.execute(sched)
 
