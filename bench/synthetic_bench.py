@@ -12,6 +12,7 @@ oracle's measured cost per draft relative to a target step (it reads a list: ~0)
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -137,7 +138,19 @@ def timed_run(model, drafter, prompts, max_tokens, k, batch, mode, truth=None, t
     acc_at = [sum(r.accepted_at[i] for r in reqs if i < len(r.accepted_at)) for i in range(width)]
     trials = sum(r.drafted_at[0] for r in reqs if r.drafted_at) + sum(acc_at[:-1])
     alpha = sum(acc_at) / max(trials, 1)
-    return got, tokens / dt, alpha, dt / max(runner.num_steps - steps0, 1)
+    step_s = dt / max(runner.num_steps - steps0, 1)
+    release(runner)
+    return got, tokens / dt, alpha, step_s
+
+
+def release(runner: ModelRunner) -> None:
+    """Free a runner's KV cache and graph pools now: at 8B and batch 64 the runners of one size
+    otherwise pile up until the device runs out of memory (seen on the H200)."""
+    runner.target.decode._shapes.clear()
+    del runner
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def main() -> None:
@@ -164,6 +177,10 @@ def main() -> None:
             model = AutoModelForCausalLM.from_config(
                 cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
             ).eval()
+        # a model from a config wants gradients: without this every captured warm-up kept its
+        # autograd history (all activations and gathered KV) alive, and 8B at batch 64 ran out
+        # of memory while capturing
+        model.requires_grad_(False)
         stable_greedy(model)
         n_params = sum(p.numel() for p in model.parameters())
         rng = np.random.default_rng(1)
@@ -214,6 +231,7 @@ def main() -> None:
                 )
                 print(json.dumps(rows[-1]), flush=True)
         del model
+        gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(

@@ -40,3 +40,16 @@ def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str, graphs: bool) ->
     decode = runner.target.decode
     assert decode.num_forwards > 0
     assert (decode.num_captured > 0) == graphs, "decode steps must replay captured graphs"
+
+
+def test_capturing_every_shape_keeps_the_kv_cache_out_of_autograd() -> None:
+    """A model built from a config wants gradients; capture_all used to run its warm-ups with
+    autograd on, and every forward's history hung off the KV cache (8B at batch 64 ran out of
+    the H200's memory while capturing). Not re-run on the GPU after the fix: the device time
+    was spent."""
+    dev = torch.device("cuda")
+    target = tiny_model("llama", seed=22).to(dev)
+    target.requires_grad_(True)
+    ex = ModelExecutor(target, max_num_seqs=4, max_model_len=128, decode_width=3)
+    assert ex.decode.capture_all(100) > 0
+    assert all(t.grad_fn is None and not t.requires_grad for t in ex.kv_cache.keys)

@@ -80,6 +80,10 @@ class DecodeGraphs:
         self.token_bucket = token_bucket
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        # One side stream for every capture's warm-up: the caching allocator keeps freed blocks
+        # per stream, so a new stream per capture stranded each warm-up's memory (an 8B target
+        # at batch 64 ran out of the H200's 140 GB while capturing every shape).
+        self._side = torch.cuda.Stream(device) if self.use_graphs else None
         self.num_captured = 0
         self.num_forwards = 0
 
@@ -118,6 +122,7 @@ class DecodeGraphs:
             self._capture(shape)
         return shape
 
+    @torch.inference_mode()
     def capture_all(self, max_context: int = MIN_LEN_BUCKET) -> int:
         """Capture every batch bucket and width for every length bucket up to ``max_context``
         now (a daemon does this for the shortest bucket before it reports ready, so the first
@@ -158,7 +163,8 @@ class DecodeGraphs:
         shape.inputs.copy_(shape.staging)
         torch.cuda.synchronize(self.device)
         args = (*shape.split(shape.inputs)[:4], shape.num_reqs, shape.width, shape.max_len)
-        side = torch.cuda.Stream(self.device)
+        side = self._side
+        assert side is not None
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
             for _ in range(2):
