@@ -1,11 +1,12 @@
 """PNG plots for docs/performance.md from the GPU suite's JSON results.
 
     pip install matplotlib   # or: pip install -e '.[bench]'
-    python bench/plots.py bench/results/h200-s2-run2 docs/img
+    python bench/plots.py bench/results/h200-s3 docs/img
 
 acceptance_per_position.png: SmolLM2 n-gram drafts, share accepted at each draft position, per batch.
 speedup_vs_batch.png: speculative over no-draft tokens/s against batch size, for SmolLM2 (n-gram,
-fixed and adaptive width) and the synthetic 1B/8B targets (oracle drafter, alpha 0.7).
+fixed and adaptive width; EAGLE head) and the synthetic 1B/8B targets (oracle drafter, alpha 0.7).
+overlap_vs_batch.png: overlap (async) scheduling over sync, end to end, against batch size.
 """
 
 from __future__ import annotations
@@ -28,20 +29,28 @@ def main() -> None:
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
     for row in lossless["rows"]:
-        if row["drafter"] == "ngram" and row["acceptance_per_position"]:
+        if row["drafter"] in ("ngram", "eagle") and row["acceptance_per_position"]:
             pos = range(1, len(row["acceptance_per_position"]) + 1)
-            ax.plot(pos, row["acceptance_per_position"], marker="o", label=f"batch {row['batch']}")
+            ax.plot(
+                pos,
+                row["acceptance_per_position"],
+                marker="o" if row["drafter"] == "ngram" else "^",
+                linestyle="-" if row["drafter"] == "ngram" else ":",
+                label=f"{row['drafter']}, batch {row['batch']}",
+            )
     ax.set_xlabel("draft position")
     ax.set_ylabel("share accepted")
-    ax.set_title("SmolLM2-135M, n-gram drafts, H200 bf16")
+    ax.set_title("SmolLM2-135M drafts, H200 bf16")
     ax.set_ylim(0, 1)
     ax.legend()
     fig.tight_layout()
     fig.savefig(out / "acceptance_per_position.png", dpi=120)
 
     fig, ax = plt.subplots(figsize=(5.5, 3.6))
-    for name in ("ngram", "ngram+adaptive"):
+    for name in ("ngram", "ngram+adaptive", "eagle"):
         rows = [r for r in lossless["rows"] if r["drafter"] == name]
+        if not rows:
+            continue
         ax.plot(
             [r["batch"] for r in rows],
             [r["x_none"] for r in rows],
@@ -50,6 +59,8 @@ def main() -> None:
         )
     for size in ("1b", "8b"):
         rows = [r for r in synthetic if r["size"] == size and r["alpha"] == 0.7]
+        if not rows:
+            continue
         ax.plot(
             [r["batch"] for r in rows],
             [r["speedup"] for r in rows],
@@ -65,7 +76,27 @@ def main() -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out / "speedup_vs_batch.png", dpi=120)
-    print("wrote", out / "acceptance_per_position.png", out / "speedup_vs_batch.png")
+    overlap_file = src / "overlap.json"
+    if overlap_file.exists():
+        overlap = json.loads(overlap_file.read_text())
+        fig, ax = plt.subplots(figsize=(5.5, 3.6))
+        for kind in ("mix", "json-schema"):
+            rows = [r for r in overlap if r["kind"] == kind]
+            ax.plot(
+                [r["batch"] for r in rows],
+                [r["overlap_over_sync"] for r in rows],
+                marker="o",
+                label=f"{kind} prompts",
+            )
+        ax.axhline(1.0, color="grey", linewidth=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("batch size")
+        ax.set_ylabel("overlap / sync tokens/s")
+        ax.set_title("Overlap scheduling, SmolLM2 n-gram, H200 bf16")
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / "overlap_vs_batch.png", dpi=120)
+    print("wrote PNGs to", out)
 
 
 if __name__ == "__main__":
