@@ -26,6 +26,7 @@ from protocol.messages import (
     SchedulerOutput,
     StepBitmask,
 )
+from scheduler_client.bitmask_rows import deferred_rows, step_rows
 from scheduler_client.grammar import GrammarBackend, GrammarError
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
@@ -292,7 +293,7 @@ class Scheduler:
             )
         if not ids and not self.to_free and not self.to_abort:
             return None
-        structured_ids, cu, bitmask = self._bitmask(rows)
+        structured_ids, cu, bitmask = step_rows(rows, self.words)
         out = SchedulerOutput(
             step_id=self.step_id,
             new_requests=new,
@@ -334,36 +335,10 @@ class Scheduler:
         return step
 
     def deferred_bitmask(self, sched: SchedulerOutput) -> StepBitmask:
-        """The rows ``sched`` deferred, now that the previous step's tokens are committed: per
-        request the drafts the worker proposed after that step, validated up to the width the
-        step allowed; rows for the valid prefix only (the worker caps acceptance there). A
-        request without fresh drafts gets 0 valid drafts (fail closed); one that has finished
-        meanwhile gets an allow-all row (its output is discarded)."""
+        """The rows ``sched`` deferred (see ``bitmask_rows.deferred_rows``)."""
         step = self.steps.get(sched.step_id, ({}, set()))[0]
-        valid = np.zeros(len(sched.deferred_req_ids), np.int32)
-        parts: list[np.ndarray] = []
-        for i, req_id in enumerate(sched.deferred_req_ids):
-            req = self.requests.get(req_id)
-            if req is None or req.finished or req.matcher is None:
-                parts.append(np.full((1, self.words), -1, np.int32))
-                continue
-            w = step.get(req_id, (0, 0))[1]
-            raw = req.last_drafts[:w].tolist() if req.last_drafts is not None else []
-            v = req.matcher.validate(raw) if raw else 0
-            req.metrics.num_grammar_invalid += len(raw) - v
-            block = np.empty((v + 1, self.words), np.int32)
-            req.matcher.fill_rows(block, 0, raw[:v])
-            parts.append(block)
-            valid[i] = v
-        cu = np.zeros(len(parts) + 1, np.int32)
-        cu[1:] = np.cumsum([len(b) for b in parts])
-        return StepBitmask(
-            step_id=sched.step_id,
-            req_ids=list(sched.deferred_req_ids),
-            num_valid_drafts=valid,
-            cu_bitmask_rows=cu,
-            grammar_bitmask=np.concatenate(parts),
-        )
+        widths = {req_id: w for req_id, (_, w) in step.items()}
+        return deferred_rows(sched, widths, self.requests, self.words)
 
     def _batch_width(self) -> int:
         """The most drafts any request verifies this step (the tuner's choice, or no limit)."""
@@ -382,24 +357,6 @@ class Scheduler:
             return 0
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
         return self.tuner.choose(alphas, avail)
-
-    def _bitmask(
-        self, rows: list[tuple[Request, int]]
-    ) -> tuple[list[str], np.ndarray | None, np.ndarray | None]:
-        """Row i of a request is its grammar state after drafts 0..i-1; the last is the bonus row."""
-        if not rows:
-            return [], None, None
-        total = sum(w + 1 for _, w in rows)
-        bitmask = np.empty((total, self.words), np.int32)
-        cu = np.zeros(len(rows) + 1, np.int32)
-        for i, (req, w) in enumerate(rows):
-            assert req.matcher is not None
-            req.matcher.fill_rows(bitmask, int(cu[i]), self._real_drafts(req)[:w].tolist())
-            cu[i + 1] = cu[i] + w + 1
-        return [r.req_id for r, _ in rows], cu, bitmask
-
-    def _real_drafts(self, req: Request) -> np.ndarray:
-        return req.grammar_drafts if req.grammar_drafts is not None else req.draft_ids
 
     def update(self, out: ModelRunnerOutput) -> list[Request]:
         """Commit the step's sampled tokens; returns the requests that finished."""

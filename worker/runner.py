@@ -1,9 +1,10 @@
 """The step loop's body: execute one ``SchedulerOutput``.
 
-What belongs here: sequencing (update the batch, one target forward, verify, commit, draft) and the
-checks that keep the scheduler and the worker in agreement. What does not: attention (attention.py),
-sampling math (rejection.py, sampling.py), drafting (drafters/), the host copy of drafts
-(draft_tokens.py), sockets (daemon.py).
+What belongs here: sequencing (update the batch, one target forward, grammar rows, verify, commit,
+draft). What does not: the step's layout and the checks that keep the scheduler and the worker in
+agreement (step_batch.py), placing grammar rows (grammar_rows.py), attention (attention.py), sampling
+math (rejection.py, sampling.py), drafting (drafters/), the host copy of drafts (draft_tokens.py),
+sockets (daemon.py).
 
 A step for request r with ``num_computed`` c, committed length L, scheduled n tokens of which w are
 drafts: the worker runs tokens[c : c + n - w] plus the w drafts at positions c .. c + n - 1. When
@@ -14,7 +15,6 @@ are committed; otherwise it was a prefill chunk and nothing is sampled.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -22,38 +22,12 @@ import torch
 from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput, StepBitmask
 from worker.draft_tokens import DraftTokensHandler
 from worker.drafters.base import Drafter
+from worker.grammar_rows import apply_grammar, check_deferred, plan_deferred, plan_grammar
 from worker.model_executor import ModelExecutor
 from worker.rejection import VerifyInput, verify, verify_greedy
 from worker.requests import RequestStates, WorkerRequestError
-from worker.sampling import apply_bitmask_
 from worker.spec_utils import get_drafter_hidden_states
-
-
-class StepError(ValueError):
-    """The scheduler's step disagrees with the worker's state; nothing of the step was applied."""
-
-    def __init__(self, code: str, message: str, req_id: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.req_id = req_id
-
-
-@dataclass
-class StepBatch:
-    """The per-step layout. B = scheduled requests; S = those that sample this step."""
-
-    req_ids: list[str]
-    slots: list[int]  # batch_idx -> slot
-    input_ids: torch.Tensor  # [num_tokens]
-    positions: torch.Tensor  # [num_tokens]
-    start_positions: list[int]
-    num_scheduled: list[int]
-    num_drafts: list[int]
-    sample_idx: list[int]  # S batch indices that sample
-    logits_indices: torch.Tensor  # [sum over S of (w + 1)]
-    cu_rows: list[int]  # [S + 1] logit rows of each sampling request
-    draft_token_ids: torch.Tensor  # [S, K]
-    own_drafts: list[np.ndarray]  # batch_idx -> [w] bool: True where the worker's draft is used
+from worker.step_batch import StepBatch, StepError, build_step_batch
 
 
 class ModelRunner:
@@ -98,9 +72,11 @@ class ModelRunner:
         self.draft_tokens.begin_step(sched.step_id)
         rejected = self.update_requests(sched)
         try:
-            batch = self.prepare(sched, {e.req_id for e in rejected})
-            grammar_plan = self.plan_grammar(sched, batch)
-            self.check_deferred(sched, batch, wait_bitmask)
+            batch = build_step_batch(
+                sched, self.states, {e.req_id for e in rejected}, self.vocab_size, self.device
+            )
+            grammar_plan = plan_grammar(sched, batch, self.vocab_size)
+            check_deferred(sched, batch, self.states, wait_bitmask)
         except StepError:
             # Nothing of a refused step stays applied: its new requests leave again.
             for req in sched.new_requests:
@@ -120,13 +96,13 @@ class ModelRunner:
             batch.num_scheduled,
             batch.logits_indices,
         )  # logits [num_logit_rows, vocab]
-        self.apply_grammar(sched.grammar_bitmask, grammar_plan, logits)
+        apply_grammar(sched.grammar_bitmask, grammar_plan, logits)
         caps: dict[int, int] = {}
         if sched.deferred_req_ids:
             assert wait_bitmask is not None
             deferred = wait_bitmask(sched.step_id)  # the GPU computes meanwhile
-            plan, caps = self.plan_deferred(sched, deferred, batch)
-            self.apply_grammar(deferred.grammar_bitmask, plan, logits)
+            plan, caps = plan_deferred(sched, deferred, batch, self.vocab_size)
+            apply_grammar(deferred.grammar_bitmask, plan, logits)
         tokens, num_accepted = self.accept(sched, batch, logits)
         for j, cap in caps.items():  # at most the drafts the grammar allows (greedy only)
             num_accepted[j] = min(int(num_accepted[j]), cap)
@@ -163,296 +139,6 @@ class ModelRunner:
             except WorkerRequestError as e:
                 rejected.append(e)
         return rejected
-
-    def prepare(self, sched: SchedulerOutput, skip: set[str]) -> StepBatch:
-        st = self.states
-        n_reqs = len(sched.req_ids)
-        if not (len(sched.num_scheduled_tokens) == len(sched.num_draft_tokens) == n_reqs):
-            raise StepError(
-                "bad_step",
-                f"step {sched.step_id}: {n_reqs} req_ids but "
-                f"{len(sched.num_scheduled_tokens)} token counts and "
-                f"{len(sched.num_draft_tokens)} draft widths",
-            )
-        if int(sched.num_draft_tokens.sum()) != len(sched.draft_token_ids):
-            raise StepError(
-                "bad_step",
-                f"step {sched.step_id}: draft widths sum to "
-                f"{int(sched.num_draft_tokens.sum())} but {len(sched.draft_token_ids)} "
-                "draft ids were sent",
-            )
-        req_ids, slots, starts, counts, widths = [], [], [], [], []
-        ids_np: list[np.ndarray] = []
-        # flat position <- (slot, column) of the worker's own draft, for every -1 placeholder
-        own_flat: list[int] = []
-        own_slot: list[int] = []
-        own_col: list[int] = []
-        sample_idx: list[int] = []
-        own: list[np.ndarray] = []
-        logit_rows: list[int] = []
-        cu_rows = [0]
-        flat = 0
-        sched_off = 0
-        for i, req_id in enumerate(sched.req_ids):
-            n = int(sched.num_scheduled_tokens[i])
-            w = int(sched.num_draft_tokens[i])
-            d_off, sched_off = sched_off, sched_off + w
-            if req_id in skip:
-                continue
-            slot = st.slot_of.get(req_id)
-            if slot is None:
-                raise StepError(
-                    "unknown_request",
-                    f"step {sched.step_id}: request {req_id!r} is not running on this worker",
-                    req_id,
-                )
-            if (
-                sched.draft_widths_are_caps
-                and w > int(st.num_drafts[slot])
-                and (sched.draft_token_ids[d_off : d_off + w] < 0).all()
-            ):
-                # overlap: the width was chosen before the drafts existed; run the ones we have
-                # (a width with real ids in it was built from drafts the scheduler saw: exact)
-                n, w = n - w + int(st.num_drafts[slot]), int(st.num_drafts[slot])
-            c, length = int(st.num_computed[slot]), int(st.num_tokens[slot])
-            m = n - w
-            if m < 1 or c + m > length:
-                raise StepError(
-                    "bad_step",
-                    f"step {sched.step_id}: request {req_id!r} scheduled "
-                    f"{n} tokens with {w} drafts, but has {length - c} uncomputed "
-                    "tokens",
-                    req_id,
-                )
-            if w and c + m != length:
-                raise StepError(
-                    "bad_step", f"request {req_id!r}: drafts scheduled during prefill", req_id
-                )
-            placeholders = sched.draft_token_ids[d_off : d_off + w] < 0
-            if (sched.draft_token_ids[d_off : d_off + w] >= self.vocab_size).any():
-                raise StepError(
-                    "bad_step",
-                    f"request {req_id!r}: a draft id is outside the "
-                    f"vocabulary of {self.vocab_size}",
-                    req_id,
-                )
-            proposed = int(st.num_drafts[slot])
-            if placeholders.any() and int(np.flatnonzero(placeholders).max()) >= proposed:
-                raise StepError(
-                    "width_mismatch",
-                    f"step {sched.step_id}: request {req_id!r} scheduled {w} drafts but the "
-                    f"worker proposed {proposed}",
-                    req_id,
-                )
-            if c + n > st.max_model_len:
-                raise StepError(
-                    "too_long",
-                    f"request {req_id!r} would reach position {c + n}, "
-                    f"over max_model_len {st.max_model_len}",
-                    req_id,
-                )
-            ids_np.append(st.token_ids[slot, c : c + m])
-            ids_np.append(np.where(placeholders, 0, sched.draft_token_ids[d_off : d_off + w]))
-            for k in np.flatnonzero(placeholders).tolist():
-                own_flat.append(flat + m + k)
-                own_slot.append(slot)
-                own_col.append(k)
-            own.append(placeholders)
-            req_ids.append(req_id)
-            slots.append(slot)
-            starts.append(c)
-            counts.append(n)
-            widths.append(w)
-            if c + m == length:
-                sample_idx.append(len(req_ids) - 1)
-                logit_rows.extend(range(flat + m - 1, flat + n))
-                cu_rows.append(cu_rows[-1] + w + 1)
-            flat += n
-        device = self.device
-        input_ids = (
-            torch.from_numpy(np.concatenate(ids_np).astype(np.int64))
-            if ids_np
-            else torch.zeros(0, dtype=torch.long)
-        )
-        input_ids = input_ids.to(device, non_blocking=True)
-        if own_flat:
-            # Drafts the worker kept on its device fill the placeholders (scheduler ids stay):
-            # one index copy and one scatter for the whole batch.
-            idx = torch.from_numpy(np.array([own_flat, own_slot, own_col], np.int64)).to(
-                device, non_blocking=True
-            )  # [3, num_placeholders]
-            input_ids[idx[0]] = st.draft_token_ids[idx[1], idx[2]]
-        positions = torch.from_numpy(
-            np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-            if counts
-            else np.zeros(0, np.int64)
-        ).to(device, non_blocking=True)
-        kmax = max((widths[i] for i in sample_idx), default=0)
-        drafts = torch.zeros((len(sample_idx), max(kmax, 1)), dtype=torch.long, device=device)
-        # [S, K] drafts of the sampling requests, gathered from the flat input in one go
-        ends = np.cumsum(counts)
-        rows = [j for j, i in enumerate(sample_idx) for _ in range(widths[i])]
-        cols = [c for i in sample_idx for c in range(widths[i])]
-        src = [int(ends[i]) - widths[i] + c for i in sample_idx for c in range(widths[i])]
-        if rows:
-            gather = torch.from_numpy(np.array([rows, cols, src], np.int64)).to(
-                device, non_blocking=True
-            )  # [3, num_drafts]
-            drafts[gather[0], gather[1]] = input_ids[gather[2]]
-        return StepBatch(
-            req_ids=req_ids,
-            slots=slots,
-            input_ids=input_ids,
-            positions=positions,
-            start_positions=starts,
-            num_scheduled=counts,
-            num_drafts=widths,
-            sample_idx=sample_idx,
-            logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=device),
-            cu_rows=cu_rows,
-            draft_token_ids=drafts,
-            own_drafts=own,
-        )
-
-    def plan_grammar(self, sched: SchedulerOutput, batch: StepBatch) -> tuple[list[int], list[int]]:
-        """Check the bitmask layout before anything runs; returns (logit rows, bitmask rows): each
-        structured request's rows go onto exactly its own logit rows."""
-        if not sched.structured_req_ids:
-            return [], []
-        cu, bitmask = sched.cu_bitmask_rows, sched.grammar_bitmask
-        words = (self.vocab_size + 31) // 32
-        if bitmask is None or bitmask.ndim != 2 or bitmask.shape[1] != words:
-            raise StepError(
-                "bad_step",
-                f"step {sched.step_id}: grammar_bitmask must be int32 "
-                f"[rows, {words}] for structured requests",
-            )
-        if (
-            cu is None
-            or len(cu) != len(sched.structured_req_ids) + 1
-            or cu[0] != 0
-            or (np.diff(cu) < 0).any()
-            or cu[-1] > bitmask.shape[0]
-        ):
-            raise StepError(
-                "bad_step",
-                f"step {sched.step_id}: cu_bitmask_rows must rise from 0 "
-                f"to at most {bitmask.shape[0]} in "
-                f"{len(sched.structured_req_ids) + 1} entries",
-            )
-        where = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_idx)}
-        rows: list[int] = []
-        mask_rows: list[int] = []
-        for k, req_id in enumerate(sched.structured_req_ids):
-            j = where.get(req_id)
-            have = int(cu[k + 1] - cu[k])
-            if j is None:
-                if have:
-                    raise StepError(
-                        "bad_step",
-                        f"bitmask rows for {req_id!r}, which does not sample this step",
-                        req_id,
-                    )
-                continue
-            need = batch.cu_rows[j + 1] - batch.cu_rows[j]
-            if have != need:
-                raise StepError(
-                    "width_mismatch",
-                    f"step {sched.step_id}: request {req_id!r} has {have} bitmask rows but "
-                    f"{need - 1} drafts scheduled (needs {need} rows)",
-                    req_id,
-                )
-            rows.extend(range(batch.cu_rows[j], batch.cu_rows[j + 1]))
-            mask_rows.extend(range(int(cu[k]), int(cu[k + 1])))
-        return rows, mask_rows
-
-    def check_deferred(
-        self,
-        sched: SchedulerOutput,
-        batch: StepBatch,
-        wait_bitmask: Callable[[int], StepBitmask] | None,
-    ) -> None:
-        """Deferred rows only for greedy requests that sample this step (a cap on acceptance is
-        exact for greedy verification only), and only with a way to receive them."""
-        if not sched.deferred_req_ids:
-            return
-        if wait_bitmask is None:
-            raise StepError(
-                "bad_step", f"step {sched.step_id}: deferred bitmasks are not supported here"
-            )
-        sampling = {batch.req_ids[i]: batch.slots[i] for i in batch.sample_idx}
-        for req_id in sched.deferred_req_ids:
-            slot = sampling.get(req_id)
-            if slot is None or req_id in sched.structured_req_ids:
-                raise StepError(
-                    "bad_step",
-                    f"step {sched.step_id}: deferred bitmask for {req_id!r}, which does not "
-                    "sample this step or already has rows",
-                    req_id,
-                )
-            if self.states.sampling[slot].temperature != 0:  # type: ignore[union-attr]
-                raise StepError(
-                    "bad_step",
-                    f"step {sched.step_id}: deferred bitmask for sampled request {req_id!r} "
-                    "(only greedy requests may be deferred)",
-                    req_id,
-                )
-
-    def plan_deferred(
-        self, sched: SchedulerOutput, msg: StepBitmask, batch: StepBatch
-    ) -> tuple[tuple[list[int], list[int]], dict[int, int]]:
-        """Logit rows <- deferred bitmask rows: request position i takes row min(i, valid), and
-        acceptance is capped at ``valid`` (positions past it are never accepted, so their row
-        does not matter). Returns the plan and {sampling index: cap}."""
-        words = (self.vocab_size + 31) // 32
-        cu, bm, valid = msg.cu_bitmask_rows, msg.grammar_bitmask, msg.num_valid_drafts
-        if (
-            msg.step_id != sched.step_id
-            or list(msg.req_ids) != list(sched.deferred_req_ids)
-            or bm.ndim != 2
-            or bm.shape[1] != words
-            or len(cu) != len(msg.req_ids) + 1
-            or len(valid) != len(msg.req_ids)
-            or cu[0] != 0
-            or cu[-1] > bm.shape[0]
-            or (np.diff(cu) != valid + 1).any()
-            or (valid < 0).any()
-        ):
-            raise StepError(
-                "bad_step",
-                f"step {sched.step_id}: the deferred bitmask does not fit the step (step "
-                f"{msg.step_id}, requests {list(msg.req_ids)} for {list(sched.deferred_req_ids)}, "
-                f"rows {bm.shape}, cu {cu.tolist()}, valid {valid.tolist()})",
-            )
-        where = {batch.req_ids[i]: j for j, i in enumerate(batch.sample_idx)}
-        rows: list[int] = []
-        mask_rows: list[int] = []
-        caps: dict[int, int] = {}
-        for k, req_id in enumerate(msg.req_ids):
-            j = where[req_id]
-            v = int(valid[k])
-            for pos, row in enumerate(range(batch.cu_rows[j], batch.cu_rows[j + 1])):
-                rows.append(row)
-                mask_rows.append(int(cu[k]) + min(pos, v))
-            caps[j] = v
-        return (rows, mask_rows), caps
-
-    def apply_grammar(
-        self,
-        grammar_bitmask: np.ndarray | None,
-        plan: tuple[list[int], list[int]],
-        logits: torch.Tensor,
-    ) -> None:
-        rows, mask_rows = plan
-        if not rows:
-            return
-        assert grammar_bitmask is not None
-        bitmask = torch.from_numpy(np.ascontiguousarray(grammar_bitmask[mask_rows]))
-        apply_bitmask_(
-            logits,
-            torch.tensor(rows, device=logits.device),
-            bitmask.to(logits.device, non_blocking=True),
-        )
 
     def accept(
         self, sched: SchedulerOutput, batch: StepBatch, logits: torch.Tensor

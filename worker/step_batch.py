@@ -1,0 +1,201 @@
+"""One step's layout: which tokens of which requests run where, and which logit rows sample.
+
+``build_step_batch`` turns a ``SchedulerOutput`` into a ``StepBatch`` against the worker's own
+request state and refuses (``StepError``) anything that disagrees with it: a width that does not
+match the drafts the worker proposed, a draft outside the vocabulary, a request it does not hold, a
+step past ``max_model_len``. With ``draft_widths_are_caps`` (overlap scheduling) a placeholder width
+larger than the worker's proposal shrinks to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from protocol.messages import SchedulerOutput
+from worker.requests import RequestStates
+
+
+class StepError(ValueError):
+    """The scheduler's step disagrees with the worker's state; nothing of the step was applied."""
+
+    def __init__(self, code: str, message: str, req_id: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.req_id = req_id
+
+
+@dataclass
+class StepBatch:
+    """The per-step layout. B = scheduled requests; S = those that sample this step."""
+
+    req_ids: list[str]
+    slots: list[int]  # batch_idx -> slot
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    start_positions: list[int]
+    num_scheduled: list[int]
+    num_drafts: list[int]
+    sample_idx: list[int]  # S batch indices that sample
+    logits_indices: torch.Tensor  # [sum over S of (w + 1)]
+    cu_rows: list[int]  # [S + 1] logit rows of each sampling request
+    draft_token_ids: torch.Tensor  # [S, K]
+    own_drafts: list[np.ndarray]  # batch_idx -> [w] bool: True where the worker's draft is used
+
+
+def build_step_batch(
+    sched: SchedulerOutput,
+    st: RequestStates,
+    skip: set[str],
+    vocab_size: int,
+    device: torch.device,
+) -> StepBatch:
+    """The step's flat layout, checked against the worker's own state (``StepError`` on any
+    disagreement; nothing is applied). ``skip``: new requests the worker refused this step."""
+    n_reqs = len(sched.req_ids)
+    if not (len(sched.num_scheduled_tokens) == len(sched.num_draft_tokens) == n_reqs):
+        raise StepError(
+            "bad_step",
+            f"step {sched.step_id}: {n_reqs} req_ids but "
+            f"{len(sched.num_scheduled_tokens)} token counts and "
+            f"{len(sched.num_draft_tokens)} draft widths",
+        )
+    if int(sched.num_draft_tokens.sum()) != len(sched.draft_token_ids):
+        raise StepError(
+            "bad_step",
+            f"step {sched.step_id}: draft widths sum to "
+            f"{int(sched.num_draft_tokens.sum())} but {len(sched.draft_token_ids)} "
+            "draft ids were sent",
+        )
+    req_ids, slots, starts, counts, widths = [], [], [], [], []
+    ids_np: list[np.ndarray] = []
+    # flat position <- (slot, column) of the worker's own draft, for every -1 placeholder
+    own_flat: list[int] = []
+    own_slot: list[int] = []
+    own_col: list[int] = []
+    sample_idx: list[int] = []
+    own: list[np.ndarray] = []
+    logit_rows: list[int] = []
+    cu_rows = [0]
+    flat = 0
+    sched_off = 0
+    for i, req_id in enumerate(sched.req_ids):
+        n = int(sched.num_scheduled_tokens[i])
+        w = int(sched.num_draft_tokens[i])
+        d_off, sched_off = sched_off, sched_off + w
+        if req_id in skip:
+            continue
+        slot = st.slot_of.get(req_id)
+        if slot is None:
+            raise StepError(
+                "unknown_request",
+                f"step {sched.step_id}: request {req_id!r} is not running on this worker",
+                req_id,
+            )
+        if (
+            sched.draft_widths_are_caps
+            and w > int(st.num_drafts[slot])
+            and (sched.draft_token_ids[d_off : d_off + w] < 0).all()
+        ):
+            # overlap: the width was chosen before the drafts existed; run the ones we have
+            # (a width with real ids in it was built from drafts the scheduler saw: exact)
+            n, w = n - w + int(st.num_drafts[slot]), int(st.num_drafts[slot])
+        c, length = int(st.num_computed[slot]), int(st.num_tokens[slot])
+        m = n - w
+        if m < 1 or c + m > length:
+            raise StepError(
+                "bad_step",
+                f"step {sched.step_id}: request {req_id!r} scheduled "
+                f"{n} tokens with {w} drafts, but has {length - c} uncomputed "
+                "tokens",
+                req_id,
+            )
+        if w and c + m != length:
+            raise StepError(
+                "bad_step", f"request {req_id!r}: drafts scheduled during prefill", req_id
+            )
+        placeholders = sched.draft_token_ids[d_off : d_off + w] < 0
+        if (sched.draft_token_ids[d_off : d_off + w] >= vocab_size).any():
+            raise StepError(
+                "bad_step",
+                f"request {req_id!r}: a draft id is outside the vocabulary of {vocab_size}",
+                req_id,
+            )
+        proposed = int(st.num_drafts[slot])
+        if placeholders.any() and int(np.flatnonzero(placeholders).max()) >= proposed:
+            raise StepError(
+                "width_mismatch",
+                f"step {sched.step_id}: request {req_id!r} scheduled {w} drafts but the "
+                f"worker proposed {proposed}",
+                req_id,
+            )
+        if c + n > st.max_model_len:
+            raise StepError(
+                "too_long",
+                f"request {req_id!r} would reach position {c + n}, "
+                f"over max_model_len {st.max_model_len}",
+                req_id,
+            )
+        ids_np.append(st.token_ids[slot, c : c + m])
+        ids_np.append(np.where(placeholders, 0, sched.draft_token_ids[d_off : d_off + w]))
+        for k in np.flatnonzero(placeholders).tolist():
+            own_flat.append(flat + m + k)
+            own_slot.append(slot)
+            own_col.append(k)
+        own.append(placeholders)
+        req_ids.append(req_id)
+        slots.append(slot)
+        starts.append(c)
+        counts.append(n)
+        widths.append(w)
+        if c + m == length:
+            sample_idx.append(len(req_ids) - 1)
+            logit_rows.extend(range(flat + m - 1, flat + n))
+            cu_rows.append(cu_rows[-1] + w + 1)
+        flat += n
+    input_ids = (
+        torch.from_numpy(np.concatenate(ids_np).astype(np.int64))
+        if ids_np
+        else torch.zeros(0, dtype=torch.long)
+    )
+    input_ids = input_ids.to(device, non_blocking=True)
+    if own_flat:
+        # Drafts the worker kept on its device fill the placeholders (scheduler ids stay):
+        # one index copy and one scatter for the whole batch.
+        idx = torch.from_numpy(np.array([own_flat, own_slot, own_col], np.int64)).to(
+            device, non_blocking=True
+        )  # [3, num_placeholders]
+        input_ids[idx[0]] = st.draft_token_ids[idx[1], idx[2]]
+    positions = torch.from_numpy(
+        np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
+        if counts
+        else np.zeros(0, np.int64)
+    ).to(device, non_blocking=True)
+    kmax = max((widths[i] for i in sample_idx), default=0)
+    drafts = torch.zeros((len(sample_idx), max(kmax, 1)), dtype=torch.long, device=device)
+    # [S, K] drafts of the sampling requests, gathered from the flat input in one go
+    ends = np.cumsum(counts)
+    rows = [j for j, i in enumerate(sample_idx) for _ in range(widths[i])]
+    cols = [c for i in sample_idx for c in range(widths[i])]
+    src = [int(ends[i]) - widths[i] + c for i in sample_idx for c in range(widths[i])]
+    if rows:
+        gather = torch.from_numpy(np.array([rows, cols, src], np.int64)).to(
+            device, non_blocking=True
+        )  # [3, num_drafts]
+        drafts[gather[0], gather[1]] = input_ids[gather[2]]
+    return StepBatch(
+        req_ids=req_ids,
+        slots=slots,
+        input_ids=input_ids,
+        positions=positions,
+        start_positions=starts,
+        num_scheduled=counts,
+        num_drafts=widths,
+        sample_idx=sample_idx,
+        logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        cu_rows=cu_rows,
+        draft_token_ids=drafts,
+        own_drafts=own,
+    )
