@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from protocol.messages import SamplingParams
+import numpy as np
+import pytest
+
+from protocol.messages import ModelRunnerOutput, SamplingParams
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 
@@ -70,3 +73,44 @@ def test_final_text_does_not_depend_on_how_tokens_were_chunked(tmp_path: Path) -
                 d.add(part, final=j == len(parts) - 1)
             texts.append(d.text)
         assert len(set(texts)) == 1, (trial, ids, texts)
+
+
+def _output(step_id: int, tokens: list[int], drafts: int, accepted: int) -> ModelRunnerOutput:
+    return ModelRunnerOutput(
+        step_id=step_id,
+        req_ids=["r0"],
+        num_sampled=np.array([len(tokens)], np.int32),
+        sampled_token_ids=np.array(tokens, np.int32),
+        num_draft_tokens=np.array([drafts], np.int32),
+        num_accepted=np.array([accepted], np.int32),
+    )
+
+
+def test_overlap_books_steps_in_flight_and_stops_at_max_tokens() -> None:
+    """Two steps in flight: the second runs the pending token plus placeholder drafts as a cap;
+    the books settle as outputs arrive; a request the steps in flight surely finish is not
+    scheduled again."""
+    s = Scheduler(
+        SchedulerConfig(async_scheduling=True, adaptive_speculation=False), LIMITS, None, None
+    )
+    s.add(Request("r0", list(range(3, 13)), SamplingParams(max_tokens=6), 4))
+    s0 = s.schedule()
+    s1 = s.schedule()
+    assert s0 is not None and s1 is not None
+    assert s0.num_scheduled_tokens.tolist() == [10] and s0.draft_widths_are_caps
+    assert s1.num_scheduled_tokens.tolist() == [5] and s1.num_draft_tokens.tolist() == [4]
+    assert s1.draft_token_ids.tolist() == [-1] * 4 and s1.draft_widths_are_caps
+    r = s.requests["r0"]
+    assert (r.num_inflight, r.pending_samples, r.inflight_max_new) == (11, 2, 6)
+    s.update(_output(0, [50], 0, 0))
+    assert (r.num_computed, r.num_inflight, r.pending_samples) == (10, 1, 1)
+    # the worker ran 2 of its drafts (fewer than the cap of 4) and accepted both
+    s.update(_output(1, [51, 52, 53], 2, 2))
+    assert r.output_ids == [50, 51, 52, 53] and (r.num_computed, r.num_inflight) == (13, 0)
+    s2 = s.schedule()
+    assert s2 is not None and s2.num_scheduled_tokens.tolist() == [1]  # no drafts known yet
+    s3 = s.schedule()  # 4 committed + 1 pending of max_tokens 6: room for one more step
+    assert s3 is not None and s3.num_scheduled_tokens.tolist() == [5]
+    assert s.schedule() is None  # 4 + 2 pending samples >= 6: surely finished
+    with pytest.raises(ValueError, match="expected step 2"):
+        s.update(_output(3, [1], 0, 0))
