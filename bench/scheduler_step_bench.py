@@ -1,0 +1,77 @@
+"""The scheduler's bookkeeping per step, without a worker: ``schedule`` + ``update`` +
+``take_drafts`` (with detokenization) for B running requests, each step committing 2 tokens and
+taking 4 draft placeholders. Used for the figure in docs/performance.md (overlap section).
+
+    python bench/scheduler_step_bench.py
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from protocol.messages import DraftTokenIds, ModelRunnerOutput, SamplingParams
+from scheduler_client.request import Request
+from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
+from scheduler_client.tokenizer import TokenizerInfo
+from worker.model_loader import resolve_model_dir
+
+_, d = resolve_model_dir("embedded:smollm2")
+tok = TokenizerInfo(d)
+B = 64
+lim = WorkerLimits(
+    vocab_size=49152,
+    eos_token_ids=(2,),
+    max_model_len=2048,
+    max_num_speculative_tokens=4,
+    max_num_seqs=B,
+)
+s = Scheduler(SchedulerConfig(max_num_seqs=B, max_num_batched_tokens=8192), lim, tok, None)
+rng = np.random.default_rng(0)
+for i in range(B):
+    s.add(
+        Request(
+            f"r{i}",
+            list(rng.integers(100, 40000, 100)),
+            SamplingParams(max_tokens=10000),
+            4,
+            detok=None,
+        )
+    )
+
+
+def step():
+    out = s.schedule()
+    ids = out.req_ids
+    n = np.full(len(ids), 2, np.int32)
+    toks = rng.integers(100, 40000, 2 * len(ids)).astype(np.int32)
+    w = out.num_draft_tokens
+    s.update(
+        ModelRunnerOutput(
+            step_id=out.step_id,
+            req_ids=ids,
+            num_sampled=n,
+            sampled_token_ids=toks,
+            num_draft_tokens=w,
+            num_accepted=np.minimum(w, 1).astype(np.int32),
+        )
+    )
+    s.take_drafts(
+        DraftTokenIds(
+            step_id=out.step_id,
+            req_ids=ids,
+            num_draft_tokens=np.full(len(ids), 4, np.int32),
+            draft_token_ids=np.full(4 * len(ids), 7, np.int32),
+            num_committed_tokens=np.array([s.requests[r].num_tokens for r in ids], np.int32),
+        )
+    )
+
+
+step()
+t0 = time.perf_counter()
+N = 200
+for _ in range(N):
+    step()
+print(f"per step (batch {B}): {(time.perf_counter() - t0) / N * 1e3:.2f} ms")
