@@ -106,7 +106,9 @@ def main() -> None:
                         "sync_tps": round(tps_sync, 1),
                         "overlap_tps": round(tps_over, 1),
                         "overlap_over_sync": round(tps_over / tps_sync, 3),
-                        "equal_outputs": sum(x == y for x, y in zip(out_sync, out_over, strict=True))
+                        "equal_outputs": sum(
+                            x == y for x, y in zip(out_sync, out_over, strict=True)
+                        )
                         / len(out_sync),
                         "deferred_bitmasks": engines[True].num_deferred_bitmasks,
                     }

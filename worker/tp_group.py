@@ -10,6 +10,7 @@ until rank 0 says stop (or disappears, which ends the collective with an error).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,12 +18,12 @@ import torch
 import torch.distributed as dist
 
 from protocol.codec import Codec
-from protocol.messages import SchedulerOutput
+from protocol.messages import SchedulerOutput, StepBitmask
 from worker.runner import ModelRunner, StepError
 
 log = logging.getLogger("specd.worker")
 
-OP_STEP, OP_RESET, OP_STOP = 1, 2, 3
+OP_STEP, OP_RESET, OP_STOP, OP_BITMASK = 1, 2, 3, 4
 
 
 def _send(op: int, payload: bytes, device: torch.device) -> None:
@@ -73,16 +74,27 @@ class BroadcastRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._runner, name)
 
-    def execute(self, sched: SchedulerOutput, wait_bitmask: Any = None) -> Any:
-        if sched.deferred_req_ids:
-            # the other ranks would need the late rows too; overlap runs without TP for now
-            raise StepError(
-                "bad_step",
-                f"step {sched.step_id}: deferred bitmasks are not supported with tensor "
-                "parallelism (run the scheduler without --async-scheduling)",
-            )
+    def execute(
+        self,
+        sched: SchedulerOutput,
+        wait_bitmask: Callable[[int], StepBitmask] | None = None,
+    ) -> Any:
         _send(OP_STEP, _pack(self._codec.encode(sched)), self._device)
-        return self._runner.execute(sched)
+        relay = None
+        if wait_bitmask is not None:
+            receive = wait_bitmask
+
+            def relay(step_id: int) -> StepBitmask:
+                """Overlap: the deferred rows reach every rank (each verifies and commits)."""
+                try:
+                    msg = receive(step_id)
+                except StepError:
+                    _send(OP_BITMASK, b"", self._device)  # the others refuse the step too
+                    raise
+                _send(OP_BITMASK, _pack(self._codec.encode(msg)), self._device)
+                return msg
+
+        return self._runner.execute(sched, relay)
 
     def reset(self) -> None:
         _send(OP_RESET, b"", self._device)
@@ -104,8 +116,17 @@ def follow(runner: ModelRunner, device: torch.device) -> int:
             continue
         sched = codec.decode(_unpack(payload))
         assert isinstance(sched, SchedulerOutput)
+
+        def rows_from_rank0(step_id: int) -> StepBitmask:
+            op, payload = _recv(device)
+            if op != OP_BITMASK or not payload:
+                raise StepError("bad_step", f"step {step_id}: rank 0 refused it")
+            msg = codec.decode(_unpack(payload))
+            assert isinstance(msg, StepBitmask)
+            return msg
+
         try:
-            runner.execute(sched)
+            runner.execute(sched, rows_from_rank0)
             runner.take_draft_tokens()
         except StepError:
             pass  # rank 0 refuses the same step with the same error and tells the scheduler
