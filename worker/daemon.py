@@ -313,6 +313,10 @@ class WorkerLoop:
                 self.reply(identity, Pong(seq=msg.seq, num_steps=self.runner.num_steps))
             elif isinstance(msg, StepBitmask) and msg.step_id == step_id:
                 return msg
+            elif isinstance(msg, Shutdown):
+                log.info("shutdown requested while step %d waited for its rows", step_id)
+                self.stopping = True
+                raise StepError("bad_step", f"step {step_id}: the scheduler is shutting down")
             else:
                 raise StepError(
                     "bad_step",
