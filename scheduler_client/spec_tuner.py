@@ -20,6 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 PRIOR_ALPHA = 0.5  # before a request has history
 PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
 EMA = 0.2  # weight of a new step-time sample
@@ -71,12 +73,16 @@ class SpeculationTuner:
         for width in (1 + top, 1):  # measure both ends first
             if width not in known:
                 return width - 1
+        # gain[k] = sum over requests of expected_tokens(alpha, min(k, cap)), for every k at once
+        # (a Python double loop cost 0.37 ms a step at batch 64)
+        a = np.minimum(np.asarray(alphas, np.float64), 1.0 - 1e-9)
+        ks = np.minimum(np.arange(top + 1)[:, None], np.asarray(caps)[None, :])  # [K + 1, B]
+        gains = ((1.0 - a ** (ks + 1)) / (1.0 - a)).sum(axis=1)
         best_k, best = top, -1.0
         for k in range(top + 1):
-            t = self._time(known, 1 + k)
-            gain = sum(expected_tokens(a, min(k, c)) for a, c in zip(alphas, caps, strict=True))
-            if gain / t > best:
-                best_k, best = k, gain / t
+            rate = float(gains[k]) / self._time(known, 1 + k)
+            if rate > best:
+                best_k, best = k, rate
         if bucket.decisions % EXPLORE_EVERY == 0:  # refresh the end we are not using
             return 0 if best_k > 0 else top
         return best_k

@@ -60,3 +60,30 @@ def test_greedy_output_is_unchanged_by_the_tuner() -> None:
     for r in reqs:
         assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens)
     assert sum(r.verified for r in reqs) > 0
+
+
+def test_the_batched_goodput_picks_what_the_per_request_formula_picks() -> None:
+    """``choose`` sums expected tokens for every width at once; it must pick the width the plain
+    per-request formula picks (random batches, measured times for every width)."""
+    import random
+
+    rng = random.Random(3)
+    for _ in range(200):
+        tuner = SpeculationTuner(4)
+        batch = rng.choice([1, 3, 8, 64])
+        times = {w: 0.004 + rng.random() * 0.004 for w in range(1, 6)}
+        for w, t in times.items():
+            tuner.observe_step(batch, w, t)
+        alphas = [tuner.alpha(rng.randint(0, 50), rng.randint(0, 50)) for _ in range(batch)]
+        caps = [rng.randint(0, 4) for _ in range(batch)]
+        top = min(4, max(caps))
+        if top == 0:
+            continue
+        rates = [
+            sum(expected_tokens(a, min(k, c)) for a, c in zip(alphas, caps, strict=True))
+            / times[1 + k]
+            for k in range(top + 1)
+        ]
+        want = max(range(top + 1), key=lambda k: (rates[k], -k))
+        got = tuner.choose(alphas, caps)
+        assert got == want or rates[got] == rates[want]
