@@ -9,8 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
+import msgspec
+import numpy as np
 import pytest
 
+from protocol.messages import SchedulerOutput
 from scheduler_client import Engine, EngineConfig, SchedulerConfig
 from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_model
 from tests.test_scheduler_e2e import SCHEMAS, SEED, prompts
@@ -122,3 +125,37 @@ def test_overlap_sampled_structured_waits_for_its_rows(pair: tuple[Engine, Engin
     )
     assert all(r.error is None for r in reqs), [r.error for r in reqs]
     jsonschema.validate(json.loads(reqs[0].text), schema)
+
+
+def test_a_refused_step_with_the_next_already_queued_loses_nothing(target_dir: Path) -> None:
+    """The worker refuses step n (a request it does not hold, injected) while step n+1 is already
+    queued behind it: the scheduler settles step n's books, step n+1 runs on the worker's own state,
+    and every output still equals target-only greedy."""
+    ref = reference_copy(tiny_model("llama", SEED, vocab=259))
+    eng = make(target_dir, "ngram", None, overlap=True)
+    try:
+        real = eng.scheduler.schedule
+        calls = [0]
+
+        def schedule_with_a_ghost() -> SchedulerOutput | None:
+            out = real()
+            calls[0] += 1
+            if out is None or calls[0] not in (3, 8):  # two refusals, in each batch
+                return out
+            return msgspec.structs.replace(
+                out,
+                req_ids=[*out.req_ids, "ghost"],
+                num_scheduled_tokens=np.append(out.num_scheduled_tokens, 1).astype(np.int32),
+                num_draft_tokens=np.append(out.num_draft_tokens, 0).astype(np.int32),
+            )
+
+        eng.scheduler.schedule = schedule_with_a_ghost  # type: ignore[method-assign]
+        ps = prompts(8)
+        reqs = eng.generate([{"prompt": p, "max_tokens": 16, "ignore_eos": True} for p in ps[:3]])
+        late = eng.generate([{"prompt": p, "max_tokens": 12, "ignore_eos": True} for p in ps[3:]])
+        for r, p in zip(reqs + late, ps, strict=True):
+            assert r.error is None, r.error
+            assert r.output_ids == greedy_reference(ref, p, r.sampling.max_tokens)
+        assert calls[0] >= 8
+    finally:
+        eng.close()
