@@ -69,21 +69,12 @@ def make_drafter(
     if k == 0:
         return NoDrafter()
     if name.startswith("eagle"):
-        from worker.attention import ATTN_IMPLEMENTATION
         from worker.drafters.eagle import EagleDrafter
-        from worker.eagle_head import EagleHead
 
-        param = next(model.parameters())
-        head = EagleHead.load(
+        assert eagle_head is not None
+        return EagleDrafter.from_files(
             eagle_head,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            dtype=param.dtype,
-            device=param.device,
-        )
-        return EagleDrafter(
-            head,
             model,
-            vocab_size=model.config.get_text_config().vocab_size,
             max_num_seqs=batch,
             max_model_len=MAX_LEN,
             max_num_tokens=k,

@@ -138,19 +138,7 @@ def timed_run(model, drafter, prompts, max_tokens, k, batch, mode, truth=None, t
     acc_at = [sum(r.accepted_at[i] for r in reqs if i < len(r.accepted_at)) for i in range(width)]
     trials = sum(r.drafted_at[0] for r in reqs if r.drafted_at) + sum(acc_at[:-1])
     alpha = sum(acc_at) / max(trials, 1)
-    step_s = dt / max(runner.num_steps - steps0, 1)
-    release(runner)
-    return got, tokens / dt, alpha, step_s
-
-
-def release(runner: ModelRunner) -> None:
-    """Free a runner's KV cache and graph pools now: at 8B and batch 64 the runners of one size
-    otherwise pile up until the device runs out of memory (seen on the H200)."""
-    runner.target.decode._shapes.clear()
-    del runner
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    return got, tokens / dt, alpha, dt / max(runner.num_steps - steps0, 1)
 
 
 def main() -> None:

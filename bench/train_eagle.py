@@ -249,7 +249,6 @@ def evaluate(a: argparse.Namespace, tok, directory: str) -> dict[str, float]:
     """Mean acceptance length and tokens/s of the trained head vs n-gram vs none on HELD_OUT,
     through the worker's runner (greedy; every output equal to the no-draft one is checked)."""
     from tests.driver import Req, run
-    from worker.attention import ATTN_IMPLEMENTATION
     from worker.drafters.base import Drafter, NoDrafter
     from worker.drafters.eagle import EagleDrafter
     from worker.drafters.ngram import NgramDrafter
@@ -259,19 +258,12 @@ def evaluate(a: argparse.Namespace, tok, directory: str) -> dict[str, float]:
 
     device = torch.device(a.device)
     target = load_model(directory, device=device).model
-    head = EagleHead.load(
-        a.out,
-        attn_implementation=ATTN_IMPLEMENTATION,
-        dtype=next(target.parameters()).dtype,
-        device=device,
-    )
     prompts = [chat(tok, t) for t in HELD_OUT]
-    vocab = target.config.get_text_config().vocab_size
     drafters: dict[str, Drafter] = {
         "none": NoDrafter(),
         "ngram": NgramDrafter(min_n=1, max_n=4, max_num_tokens=4),
-        "eagle": EagleDrafter(
-            head, target, vocab_size=vocab, max_num_seqs=1, max_model_len=1024, max_num_tokens=4
+        "eagle": EagleDrafter.from_files(
+            a.out, target, max_num_seqs=1, max_model_len=1024, max_num_tokens=4
         ),
     }
     res: dict[str, float] = {}

@@ -87,11 +87,9 @@ class Scheduler:
         self.to_abort: list[str] = []
         self.step_id = 0
         self.last_done_step = -1
-        self.inflight: dict[str, tuple[int, int]] = {}  # req_id -> (scheduled, drafts) this step
-        # step_id -> (that step's inflight, the requests it samples); one entry in sync mode, up
-        # to two with overlap
+        # step_id -> ((tokens, drafts) per request, the requests it samples) for steps sent whose
+        # output has not arrived: one in sync mode, up to two with overlap
         self.steps: dict[int, tuple[dict[str, tuple[int, int]], set[str]]] = {}
-        self._sampling: set[str] = set()
         self.metrics = RequestMetrics()
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
@@ -179,7 +177,6 @@ class Scheduler:
             self.waiting.appendleft(req)
         self.running = []
         self.to_free, self.to_abort = [], []
-        self.inflight = {}
         self.steps = {}
         self.last_done_step = self.step_id - 1
 
@@ -216,8 +213,8 @@ class Scheduler:
         drafts: list[np.ndarray] = []
         rows: list[tuple[Request, int]] = []  # structured requests that sample, with their width
         deferred: list[str] = []
-        self.inflight = {}
-        self._sampling = set()
+        scheduled: dict[str, tuple[int, int]] = {}  # req_id -> (tokens, drafts) this step
+        sampling: set[str] = set()
         width_cap = self._batch_width()
         limit = self.limits.max_model_len
 
@@ -262,9 +259,9 @@ class Scheduler:
             counts.append(m + w)
             widths.append(w)
             drafts.append(ids_)
-            self.inflight[req.req_id] = (m + w, w)
+            scheduled[req.req_id] = (m + w, w)
             if samples:
-                self._sampling.add(req.req_id)
+                sampling.add(req.req_id)
             if self.config.async_scheduling:
                 req.num_inflight += m
                 req.pending_samples += int(samples)
@@ -312,7 +309,7 @@ class Scheduler:
             deferred_req_ids=deferred,
         )
         self.to_free, self.to_abort = [], []
-        self.steps[self.step_id] = (self.inflight, self._sampling)
+        self.steps[self.step_id] = (scheduled, sampling)
         self.step_id += 1
         return out
 

@@ -5,8 +5,25 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny byte-level Llama with a tokenizer, saved for a launched worker (seed BYTE_MODEL_SEED)."""
+    from tests.models import BYTE_MODEL_SEED, save_byte_model  # torch only where it is used
+
+    return save_byte_model("llama", BYTE_MODEL_SEED, tmp_path_factory.mktemp("target"))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Its one-layer draft model."""
+    from tests.models import BYTE_MODEL_SEED, save_byte_model
+
+    return save_byte_model("llama", BYTE_MODEL_SEED + 1, tmp_path_factory.mktemp("draft"), layers=1)
 
 
 @pytest.fixture

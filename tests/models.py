@@ -81,6 +81,9 @@ CHAT_TEMPLATE = (
 )
 
 
+BYTE_MODEL_SEED = 31  # the byte-level target of the two-process tests (conftest.py)
+
+
 def save_byte_model(arch: str, seed: int, directory: Path, *, layers: int = 2) -> Path:
     """A tiny random model whose vocabulary is a byte-level tokenizer (one token per byte), saved
     with ``tokenizer.json`` and a chat template: enough for grammars and detokenization."""

@@ -14,40 +14,9 @@ import numpy as np
 import pytest
 
 from protocol.messages import SchedulerOutput
-from scheduler_client import Engine, EngineConfig, SchedulerConfig
-from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_model
-from tests.test_scheduler_e2e import SCHEMAS, SEED, prompts
-
-
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_byte_model("llama", SEED, tmp_path_factory.mktemp("target"))
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_byte_model("llama", SEED + 1, tmp_path_factory.mktemp("draft"), layers=1)
-
-
-def make(target: Path, drafter: str, draft: Path | None, overlap: bool) -> Engine:
-    return Engine(
-        EngineConfig(
-            model=str(target),
-            drafter=drafter,
-            draft_model=str(draft) if draft else None,
-            num_speculative_tokens=4,
-            device="cpu",
-            max_model_len=384,
-            worker_max_num_seqs=8,
-            scheduler=SchedulerConfig(
-                max_num_seqs=8,
-                max_num_batched_tokens=512,
-                max_prefill_chunk=48,
-                async_scheduling=overlap,
-            ),
-            step_timeout_s=60,
-        )
-    )
+from scheduler_client import Engine
+from tests.models import greedy_reference, reference_copy, tiny_model
+from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts
 
 
 @pytest.fixture(scope="module", params=["none", "ngram", "draft_model"])
@@ -55,8 +24,8 @@ def pair(
     request: pytest.FixtureRequest, target_dir: Path, draft_dir: Path
 ) -> Iterator[tuple[Engine, Engine]]:
     draft = draft_dir if request.param == "draft_model" else None
-    sync = make(target_dir, request.param, draft, overlap=False)
-    over = make(target_dir, request.param, draft, overlap=True)
+    sync = engine(target_dir, request.param, draft)
+    over = engine(target_dir, request.param, draft, async_scheduling=True)
     yield sync, over
     sync.close()
     over.close()
@@ -132,7 +101,7 @@ def test_a_refused_step_with_the_next_already_queued_loses_nothing(target_dir: P
     queued behind it: the scheduler settles step n's books, step n+1 runs on the worker's own state,
     and every output still equals target-only greedy."""
     ref = reference_copy(tiny_model("llama", SEED, vocab=259))
-    eng = make(target_dir, "ngram", None, overlap=True)
+    eng = engine(target_dir, "ngram", async_scheduling=True)
     try:
         real = eng.scheduler.schedule
         calls = [0]

@@ -16,23 +16,20 @@ import jsonschema
 import pytest
 
 from scheduler_client import Engine, EngineConfig, SchedulerConfig, WorkerDied
-from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_model
+from tests.models import BYTE_MODEL_SEED, greedy_reference, reference_copy, tiny_model
 from tests.procs import start_worker
 
-SEED = 31
+SEED = BYTE_MODEL_SEED  # the target_dir fixture's model (conftest.py)
 
 
-@pytest.fixture(scope="module")
-def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_byte_model("llama", SEED, tmp_path_factory.mktemp("target"))
-
-
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return save_byte_model("llama", SEED + 1, tmp_path_factory.mktemp("draft"), layers=1)
-
-
-def engine(target: Path, drafter: str, draft: Path | None = None, **kw: object) -> Engine:
+def engine(
+    target: Path,
+    drafter: str,
+    draft: Path | None = None,
+    *,
+    async_scheduling: bool = False,
+    **kw: object,
+) -> Engine:
     return Engine(
         EngineConfig(
             model=str(target),
@@ -43,7 +40,10 @@ def engine(target: Path, drafter: str, draft: Path | None = None, **kw: object) 
             max_model_len=384,
             worker_max_num_seqs=8,
             scheduler=SchedulerConfig(
-                max_num_seqs=8, max_num_batched_tokens=512, max_prefill_chunk=48
+                max_num_seqs=8,
+                max_num_batched_tokens=512,
+                max_prefill_chunk=48,
+                async_scheduling=async_scheduling,
             ),
             step_timeout_s=60,
             **kw,  # type: ignore[arg-type]

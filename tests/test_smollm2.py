@@ -57,20 +57,12 @@ def test_smollm2_ngram_greedy_equals_target_greedy(smollm2: tuple[torch.nn.Modul
 def test_shipped_eagle_head_is_lossless_and_accepted(smollm2: tuple[torch.nn.Module, str]) -> None:
     """The head distilled on the H200 for SmolLM2 (``--eagle-head embedded``), run in float32 on
     the CPU: output equal to target-only greedy, and its drafts accepted."""
-    from worker.attention import ATTN_IMPLEMENTATION
     from worker.drafters.eagle import EagleDrafter
-    from worker.eagle_head import EagleHead
 
     model, directory = smollm2
     tok = Tokenizer.from_file(f"{directory}/tokenizer.json")
-    head = EagleHead.load(
-        "embedded",
-        attn_implementation=ATTN_IMPLEMENTATION,
-        dtype=torch.float32,
-        device=torch.device("cpu"),
-    )
-    drafter = EagleDrafter(
-        head, model, vocab_size=49152, max_num_seqs=2, max_model_len=256, max_num_tokens=4
+    drafter = EagleDrafter.from_files(
+        "embedded", model, max_num_seqs=2, max_model_len=256, max_num_tokens=4
     )
     runner = ModelRunner(
         ModelExecutor(model, max_num_seqs=2, max_model_len=256, decode_width=5),

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 from pathlib import Path
 from typing import Any
 
+import jsonschema
 import pytest
 import torch
 
 from tests.driver import Req, run
-from tests.models import greedy_reference, reference_copy, tiny_model
+from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_model
 from tests.procs import free_port
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.ngram import NgramDrafter
@@ -84,42 +86,43 @@ def test_a_size_the_group_does_not_divide_is_named() -> None:
         check_shardable(model.config, 4)
 
 
+def daemon_outputs(
+    model: Path, tp: str, work: list[dict[str, Any]], log_dir: Path, overlap: bool = False
+) -> list[list[int]]:
+    """``work`` through a launched ``specd-worker --tensor-parallel-size tp`` (CPU, gloo)."""
+    from scheduler_client import Engine, EngineConfig, SchedulerConfig
+
+    cfg = EngineConfig(
+        model=str(model),
+        device="cpu",
+        max_model_len=128,
+        worker_args=("--tensor-parallel-size", tp),
+        worker_log=str(log_dir / f"worker{tp}.log"),
+        scheduler=SchedulerConfig(async_scheduling=overlap),
+    )
+    with Engine(cfg) as e:
+        done = e.generate([dict(w) for w in work])
+        assert all(r.error is None for r in done), [r.error for r in done]
+        for w, r in zip(work, done, strict=True):
+            if "structured" in w:
+                jsonschema.validate(json.loads(r.text), w["structured"]["json"])
+        if overlap and any("structured" in w for w in work):
+            assert e.num_deferred_bitmasks > 0
+        return [r.output_ids for r in done]
+
+
 def test_worker_daemon_with_two_ranks_serves_the_same_greedy_text(tmp_path: Path) -> None:
     """``specd-worker --tensor-parallel-size 2`` on CPU: rank 0 serves the scheduler and
     broadcasts each step to rank 1 (a process it launched); the output equals one process's."""
-    from scheduler_client import Engine, EngineConfig
-    from tests.models import save_byte_model
-
     model = save_byte_model("llama", 72, tmp_path / "m")
-    outs = []
-    for tp in ("1", "2"):
-        cfg = EngineConfig(
-            model=str(model),
-            device="cpu",
-            max_model_len=128,
-            worker_args=("--tensor-parallel-size", tp),
-            worker_log=str(tmp_path / f"worker{tp}.log"),
-        )
-        with Engine(cfg) as e:
-            done = e.generate(
-                [{"prompt": p, "max_tokens": 16, "ignore_eos": True} for p in ("abcabc", "xyz")]
-            )
-            outs.append([r.output_ids for r in done])
-            assert all(r.error is None for r in done)
-    assert outs[0] == outs[1]
+    work = [{"prompt": p, "max_tokens": 16, "ignore_eos": True} for p in ("abcabc", "xyz")]
+    assert daemon_outputs(model, "1", work, tmp_path) == daemon_outputs(model, "2", work, tmp_path)
 
 
 def test_two_ranks_with_overlap_scheduling_and_deferred_rows(tmp_path: Path) -> None:
     """Overlap scheduling against a TP=2 worker: rank 0 relays each deferred StepBitmask to rank 1.
     A structured greedy request (its rows deferred) and a plain one give the same output as one
     process in sync mode."""
-    import json
-
-    import jsonschema
-
-    from scheduler_client import Engine, EngineConfig, SchedulerConfig
-    from tests.models import save_byte_model
-
     model = save_byte_model("llama", 73, tmp_path / "m")
     schema = {
         "type": "object",
@@ -130,21 +133,5 @@ def test_two_ranks_with_overlap_scheduling_and_deferred_rows(tmp_path: Path) -> 
         {"prompt": "json: ", "max_tokens": 60, "structured": {"json": schema}},
         {"prompt": "abcabcabc", "max_tokens": 24, "ignore_eos": True},
     ]
-    outs = []
-    for tp, overlap in (("1", False), ("2", True)):
-        cfg = EngineConfig(
-            model=str(model),
-            device="cpu",
-            max_model_len=128,
-            worker_args=("--tensor-parallel-size", tp),
-            worker_log=str(tmp_path / f"worker{tp}.log"),
-            scheduler=SchedulerConfig(async_scheduling=overlap),
-        )
-        with Engine(cfg) as e:
-            done = e.generate([dict(w) for w in work])
-            assert all(r.error is None for r in done), [r.error for r in done]
-            jsonschema.validate(json.loads(done[0].text), schema)
-            outs.append([r.output_ids for r in done])
-            if overlap:
-                assert e.num_deferred_bitmasks > 0
-    assert outs[0] == outs[1]
+    sync_one = daemon_outputs(model, "1", work, tmp_path)
+    assert daemon_outputs(model, "2", work, tmp_path, overlap=True) == sync_one

@@ -35,14 +35,12 @@ from protocol import (
 )
 from protocol.options import setup_logging
 from protocol.transport import Channel
-from worker.attention import ATTN_IMPLEMENTATION
 from worker.config import WorkerConfig, parse_args
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.eagle import EagleDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.drafters.parallel import ParallelDrafter
-from worker.eagle_head import EagleHead
 from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor
 from worker.model_loader import load_model
@@ -67,6 +65,17 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     if cfg.tensor_parallel_size > 1:
         shard_model(target.model, cfg.tp_rank, cfg.tensor_parallel_size)
     k = cfg.num_speculative_tokens
+
+    def executor_for(model: torch.nn.Module) -> ModelExecutor:
+        return ModelExecutor(
+            model,
+            max_num_seqs=cfg.max_num_seqs,
+            max_model_len=cfg.max_model_len,
+            batch_invariant=invariant,
+            decode_width=1 + k,
+            cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
+        )
+
     drafter: Drafter = NoDrafter()
     if cfg.drafter == "ngram" and k:
         drafter = NgramDrafter(min_n=cfg.ngram_min, max_n=cfg.ngram_max, max_num_tokens=k)
@@ -79,14 +88,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             > target.model.config.get_text_config().vocab_size
         ):
             raise ValueError("the draft model's vocabulary is larger than the target's")
-        draft_executor = ModelExecutor(
-            draft.model,
-            max_num_seqs=cfg.max_num_seqs,
-            max_model_len=cfg.max_model_len,
-            batch_invariant=invariant,
-            decode_width=1 + k,
-            cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
-        )
+        draft_executor = executor_for(draft.model)
         drafter = (
             DraftModelDrafter(draft_executor, max_num_tokens=k)
             if cfg.drafter == "draft_model"
@@ -95,28 +97,14 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     if cfg.drafter == "eagle" and k:
         assert cfg.eagle_head is not None
         log.info("loading EAGLE head %s", cfg.eagle_head)
-        head = EagleHead.load(
+        drafter = EagleDrafter.from_files(
             cfg.eagle_head,
-            attn_implementation=ATTN_IMPLEMENTATION,
-            dtype=next(target.model.parameters()).dtype,
-            device=device,
-        )
-        drafter = EagleDrafter(
-            head,
             target.model,
-            vocab_size=target.model.config.get_text_config().vocab_size,
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len,
             max_num_tokens=k,
         )
-    executor = ModelExecutor(
-        target.model,
-        max_num_seqs=cfg.max_num_seqs,
-        max_model_len=cfg.max_model_len,
-        batch_invariant=invariant,
-        decode_width=1 + k,
-        cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
-    )
+    executor = executor_for(target.model)
     if executor.decode.use_graphs:
         t1 = time.monotonic()
         n = executor.decode.capture_all()

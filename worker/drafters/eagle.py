@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.attention import build_metadata
+from worker.attention import ATTN_IMPLEMENTATION, build_metadata
 from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.eagle_head import EagleHead
 from worker.kv_cache import KVCache
@@ -60,6 +60,33 @@ class EagleDrafter(Drafter):
         self.num_features = np.zeros(max_num_seqs, np.int64)  # slot -> positions with f_t
         self.num_computed = np.zeros(max_num_seqs, np.int64)  # slot -> pairs in the head's cache
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+
+    @classmethod
+    def from_files(
+        cls,
+        head_dir: str,
+        target: torch.nn.Module,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        max_num_tokens: int,
+    ) -> EagleDrafter:
+        """The head in ``head_dir`` (or ``"embedded"``), on the target's device and dtype."""
+        param = next(target.parameters())
+        head = EagleHead.load(
+            head_dir,
+            attn_implementation=ATTN_IMPLEMENTATION,
+            dtype=param.dtype,
+            device=param.device,
+        )
+        return cls(
+            head,
+            target,
+            vocab_size=target.config.get_text_config().vocab_size,
+            max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len,
+            max_num_tokens=max_num_tokens,
+        )
 
     def remove(self, slot: int) -> None:
         self.num_features[slot] = 0
