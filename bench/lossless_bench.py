@@ -33,7 +33,7 @@ from tests.driver import Req, run
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.model_executor import ModelExecutor
-from worker.model_loader import load_model
+from worker.model_loader import eos_token_ids, load_model
 from worker.runner import ModelRunner
 
 MAX_LEN = 1024
@@ -45,7 +45,13 @@ def sync() -> None:
 
 
 def make_runner(
-    model: torch.nn.Module, drafter: Drafter, k: int, batch: int, mode: str, graphs: bool
+    model: torch.nn.Module,
+    drafter: Drafter,
+    k: int,
+    batch: int,
+    mode: str,
+    graphs: bool,
+    compile_layers: bool = False,
 ) -> ModelRunner:
     return ModelRunner(
         ModelExecutor(
@@ -55,6 +61,7 @@ def make_runner(
             batch_invariant=mode,
             decode_width=1 + k,
             cuda_graphs=graphs,
+            compile_layers=compile_layers,
         ),
         drafter,
         max_num_seqs=batch,
@@ -113,20 +120,24 @@ def decode(
     max_tokens: int,
     k: int,
     tuner: SpeculationTuner | None = None,
+    stop_ids: tuple[int, ...] = (),
 ) -> dict[str, Any]:
-    """All prompts at once (the runner's slots are the batch); an untimed pass first."""
+    """All prompts at once (the runner's slots are the batch); an untimed pass first. A request
+    ends at ``max_tokens`` or at its first stop id (the model's end of turn), as a user's does."""
     runner.target.decode.capture_all(max(len(p) for p in prompts) + max_tokens + k + 1)
-    warm = [Req(f"w{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
+    warm = [Req(f"w{j}", p, max_tokens, k=k, stop_ids=stop_ids) for j, p in enumerate(prompts)]
     run(runner, warm, 100_000, tuner)
-    fenced = [Req(f"f{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
+    fenced = [Req(f"f{j}", p, max_tokens, k=k, stop_ids=stop_ids) for j, p in enumerate(prompts)]
     draft_share = drafter_share(runner, fenced, tuner) if k else 0.0
-    reqs = [Req(f"r{j}", p, max_tokens, k=k) for j, p in enumerate(prompts)]
+    reqs = [Req(f"r{j}", p, max_tokens, k=k, stop_ids=stop_ids) for j, p in enumerate(prompts)]
     sync()
     steps0 = runner.num_steps
     t0 = time.perf_counter()
-    got = run(runner, reqs, max_steps=100_000, tuner=tuner)
+    log: list[tuple[float, bool, int]] = []
+    got = run(runner, reqs, max_steps=100_000, tuner=tuner, step_log=log)
     sync()
     dt = time.perf_counter() - t0
+    decode = [(s, n) for s, prefill, n in log if not prefill]
     tokens = sum(len(v) for v in got.values())
     spec_steps = sum(r.spec_steps for r in reqs)
     width = max((len(r.drafted_at) for r in reqs), default=0)
@@ -136,7 +147,13 @@ def decode(
         "outs": [got[r.req_id] for r in reqs],
         "tps": tokens / dt,
         "step_s": dt / max(runner.num_steps - steps0, 1),
+        # decode steps only (no prompt tokens in them): seconds, steps, tokens sampled
+        "decode": (sum(s for s, _ in decode), len(decode), sum(n for _, n in decode)),
         "mean_len": 1 + sum(r.accepted for r in reqs) / max(spec_steps, 1),
+        # every sampling step counts, those where the drafter found nothing too
+        "tokens_per_step": sum(len(r.out) for r in reqs)
+        / max(sum(r.sample_steps for r in reqs), 1),
+        "draft_step_share": spec_steps / max(sum(r.sample_steps for r in reqs), 1),
         "per_position": [a / d if d else 0.0 for a, d in zip(accepted, drafted, strict=True)],
         "drafter_share": draft_share,
     }
@@ -194,8 +211,10 @@ def hf_reference(
     prompts: list[list[int]],
     max_tokens: int,
     k: int,
+    stop_ids: tuple[int, ...],
 ) -> dict[str, Any]:
-    """(b) HF generate at batch 1: plain greedy, and prompt-lookup assisted."""
+    """(b) HF generate at batch 1: plain greedy, and prompt-lookup assisted; the same stop ids as
+    specd's runs."""
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).to(device).eval()
@@ -212,7 +231,7 @@ def hf_reference(
                     ids,
                     max_new_tokens=max_tokens,
                     do_sample=False,
-                    eos_token_id=None,
+                    eos_token_id=list(stop_ids) or None,
                     pad_token_id=0,
                     **extra,
                 )[0, len(p) :].tolist()
@@ -235,8 +254,16 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--batch-invariant", default="off", help="off, pad or pad-fp32")
     ap.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument(
+        "--compile", action="store_true", help="torch.compile the decoder layers (compiled.py)"
+    )
     ap.add_argument("--skip-hf", action="store_true", help="skip the HF generate reference")
     ap.add_argument("--eagle-head", default=None, help="also rows for this EAGLE head (DIR)")
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="decode exactly --max-tokens (past the end of turn, as sessions 2-3 measured)",
+    )
     args = ap.parse_args()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -245,6 +272,7 @@ def main() -> None:
     kinds = list(PROMPTS)
     base_prompts = [tok.encode(chat(p)).ids for p in PROMPTS.values()]
     model = loaded.model
+    stop_ids = () if args.ignore_eos else eos_token_ids(model)
     graphs = not args.enforce_eager
     mode = args.batch_invariant
     results: dict[str, Any] = {
@@ -252,6 +280,8 @@ def main() -> None:
         "dtype": str(model.dtype),
         "batch_invariant": mode,
         "cuda_graphs": graphs,
+        "compiled": args.compile,
+        "stop_ids": list(stop_ids),
         "rows": [],
     }
     rows = results["rows"]
@@ -271,9 +301,9 @@ def main() -> None:
             configs += [("eagle", args.k), ("eagle+adaptive", args.k)]
         for name, k in configs:
             drafter = make_drafter(name, k, model, batch, args.eagle_head)
-            runner = make_runner(model, drafter, k, batch, mode, graphs)
+            runner = make_runner(model, drafter, k, batch, mode, graphs, args.compile)
             tuner = SpeculationTuner(k) if name.endswith("adaptive") else None
-            parts = [decode(runner, g, args.max_tokens, k, tuner) for g in groups]
+            parts = [decode(runner, g, args.max_tokens, k, tuner, stop_ids) for g in groups]
             tokens = sum(sum(len(o) for o in p["outs"]) for p in parts)
             seconds = sum(sum(len(o) for o in p["outs"]) / p["tps"] for p in parts)
             per[name] = {
@@ -288,6 +318,10 @@ def main() -> None:
                 ],
                 "runner": runner,
                 "drafter_share": sum(p["drafter_share"] for p in parts) / len(parts),
+                "tokens_per_step": sum(p["tokens_per_step"] for p in parts) / len(parts),
+                "draft_step_share": sum(p["draft_step_share"] for p in parts) / len(parts),
+                "step_ms": 1e3 * sum(p["step_s"] for p in parts) / len(parts),
+                "decode": [sum(p["decode"][i] for p in parts) for i in range(3)],
             }
         base = per["none"]
         for name in per:
@@ -303,7 +337,26 @@ def main() -> None:
                 "mean_acceptance_length": r["mean_len"] if name != "none" else 1.0,
                 "acceptance_per_position": r["per_position"] if name != "none" else [],
                 "drafter_share_of_time": r["drafter_share"],
+                "tokens_per_step": r["tokens_per_step"],
+                "draft_step_share": r["draft_step_share"],
+                "step_ms": r["step_ms"],
+                "tokens": sum(len(o) for o in r["outs"]),
+                "decode_seconds_steps_tokens": r["decode"],
+                "decode_step_ms": 1e3 * r["decode"][0] / max(r["decode"][1], 1),
+                "decode_tokens_per_step": r["decode"][2] / max(r["decode"][1], 1),
             }
+            # The ideal the measured acceptance allows, in the decode phase (prefill steps are
+            # the same work with or without drafts): the tokens a decode step yields, every
+            # decode step counted (those where the drafter found nothing too), at the cost of a
+            # plain step plus the drafting; of ideal = the decode-phase speedup over that. Exact
+            # at batch 1; at larger batches requests end at different steps, so it is a guide.
+            base_dec = base["decode"]
+            dec_speedup = (r["decode"][2] / r["decode"][0]) / (base_dec[2] / base_dec[0])
+            row["decode_x_none"] = dec_speedup
+            row["ideal"] = (row["decode_tokens_per_step"] / (base_dec[2] / max(base_dec[1], 1))) * (
+                1 - r["drafter_share"]
+            )
+            row["of_ideal"] = dec_speedup / row["ideal"]
             if batch == 1:
                 row["per_kind_x_none"] = {
                     kinds[i]: r["parts"][i]["tps"] / base["parts"][i]["tps"]
@@ -318,7 +371,13 @@ def main() -> None:
     if not args.skip_hf:
         try:
             hf = hf_reference(
-                loaded.directory, model.dtype, device, base_prompts, args.max_tokens, args.k
+                loaded.directory,
+                model.dtype,
+                device,
+                base_prompts,
+                args.max_tokens,
+                args.k,
+                stop_ids,
             )
             results["hf"] = {
                 "plain_tps": hf["plain"]["tps"],
@@ -335,17 +394,22 @@ def main() -> None:
                 )
         except Exception as e:  # report, do not hide
             results["hf_error"] = repr(e)
-    print(f"batch_invariant={mode} dtype={model.dtype} cuda_graphs={graphs}")
+    print(
+        f"batch_invariant={mode} dtype={model.dtype} cuda_graphs={graphs} compiled={args.compile}"
+    )
     print(
         "| drafter | batch | tok/s | × none | equal tokens | equal prefix | mean acceptance length "
-        "| drafting share of time |"
+        "| drafting share | tokens per step | steps with drafts | decode step ms "
+        "| decode × none | ideal | of ideal |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
             f"| {r['drafter']} | {r['batch']} | {r['tps']:.1f} | {r['x_none']:.2f} | "
             f"{r['equal_tokens']:.4f} | {r['equal_prefix']:.4f} | {r['mean_acceptance_length']:.2f} | "
-            f"{r['drafter_share_of_time']:.2f} |"
+            f"{r['drafter_share_of_time']:.2f} | {r['tokens_per_step']:.2f} | "
+            f"{r['draft_step_share']:.2f} | {r['decode_step_ms']:.2f} | "
+            f"{r['decode_x_none']:.2f} | {r['ideal']:.2f} | {r['of_ideal']:.2f} |"
         )
     for r in rows:
         if r["drafter"] in ("ngram", "eagle") and r["batch"] == 1:

@@ -1,11 +1,12 @@
 """PNG plots for docs/performance.md from the GPU suite's JSON results.
 
     pip install matplotlib   # or: pip install -e '.[bench]'
-    python bench/plots.py bench/results/h200-s3 docs/img
+    python bench/plots.py bench/results/h200-s4 docs/img
 
 acceptance_per_position.png: SmolLM2 n-gram drafts, share accepted at each draft position, per batch.
 speedup_vs_batch.png: speculative over no-draft tokens/s against batch size, for SmolLM2 (n-gram,
-fixed and adaptive width; EAGLE head) and the synthetic 1B/8B targets (oracle drafter, alpha 0.7).
+fixed and adaptive width; EAGLE head; n-gram with torch.compile'd layers when
+lossless_bf16_pad_compiled.json is there) and the synthetic 1B/8B targets (oracle drafter, alpha 0.7).
 overlap_vs_batch.png: overlap (async) scheduling over sync, end to end, against batch size.
 """
 
@@ -56,6 +57,16 @@ def main() -> None:
             [r["x_none"] for r in rows],
             marker="o",
             label=f"SmolLM2 {name}",
+        )
+    compiled_file = src / "lossless_bf16_pad_compiled.json"
+    if compiled_file.exists():
+        rows = [r for r in json.loads(compiled_file.read_text())["rows"] if r["drafter"] == "ngram"]
+        ax.plot(
+            [r["batch"] for r in rows],
+            [r["x_none"] for r in rows],
+            marker="o",
+            linestyle="-.",
+            label="SmolLM2 ngram, compiled layers",
         )
     for size in ("1b", "8b"):
         rows = [r for r in synthetic if r["size"] == size and r["alpha"] == 0.7]

@@ -22,12 +22,14 @@ class Req:
     arrive: int = 0  # step at which it joins
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk: int = 0  # prefill chunk size (0: whole prompt)
+    stop_ids: tuple[int, ...] = ()  # the output ends at (and keeps) the first of these
     out: list[int] = field(default_factory=list)
     computed: int = 0
     drafts: int = 0  # width the worker proposed for the next step
     accepted: int = 0
     verified: int = 0
     spec_steps: int = 0  # steps that verified at least one draft
+    sample_steps: int = 0  # steps that sampled (with or without drafts)
     judged: int = 0  # drafts the target judged (accepted + the first rejected)
     # position i -> how often a draft stood there / was accepted (for acceptance per position)
     drafted_at: list[int] = field(default_factory=list)
@@ -39,9 +41,11 @@ def run(
     reqs: list[Req],
     max_steps: int = 500,
     tuner: SpeculationTuner | None = None,
+    step_log: list[tuple[float, bool, int]] | None = None,
 ) -> dict[str, list[int]]:
     """Run ``reqs`` to completion; with ``tuner``, each decode step's draft width is its choice
-    (as the real scheduler does)."""
+    (as the real scheduler does). ``step_log`` gets (seconds in ``execute``, whether the step
+    held prompt tokens, tokens sampled) per step."""
     pending = sorted(reqs, key=lambda r: r.arrive)
     running: dict[str, Req] = {}
     finished: list[str] = []
@@ -94,6 +98,11 @@ def run(
         ):
             tuner.observe_step(len(counts), max(counts), time.perf_counter() - t0)
         assert not rejected, rejected
+        if step_log is not None:
+            prefill = any(c - w > 1 for c, w in zip(counts, widths, strict=True)) or bool(new)
+            step_log.append(
+                (time.perf_counter() - t0, prefill, int(np.asarray(out.num_sampled).sum()))
+            )
         drafts = runner.take_draft_tokens()
         finished = []
         off = 0
@@ -109,6 +118,7 @@ def run(
             r.accepted += int(out.num_accepted[i])
             r.verified += int(out.num_draft_tokens[i])
             r.spec_steps += int(out.num_draft_tokens[i] > 0)
+            r.sample_steps += 1
             w, a = int(out.num_draft_tokens[i]), int(out.num_accepted[i])
             r.judged += min(w, a + 1)
             if len(r.drafted_at) < w:
@@ -117,9 +127,13 @@ def run(
             for j in range(w):
                 r.drafted_at[j] += 1
                 r.accepted_at[j] += j < a
+            start = len(r.out)
             r.out.extend(toks)
             r.drafts = 0
-            if len(r.out) >= r.max_tokens:
+            stop = next((j for j in range(start, len(r.out)) if r.out[j] in r.stop_ids), None)
+            if stop is not None:
+                r.out = r.out[: stop + 1]
+            if stop is not None or len(r.out) >= r.max_tokens:
                 r.out = r.out[: r.max_tokens]
                 finished.append(req_id)
         if drafts is not None:
@@ -135,8 +149,8 @@ def check_drafts(drafts: DraftTokenIds, step: int, running: dict[str, Req]) -> N
     assert drafts.step_id == step
     for i, req_id in enumerate(drafts.req_ids):
         r = running[req_id]
-        if len(r.out) >= r.max_tokens:
-            continue  # finishing: the worker may hold tokens past max_tokens
+        if len(r.out) >= r.max_tokens or (r.out and r.out[-1] in r.stop_ids):
+            continue  # finishing: the worker may hold tokens past the end
         assert int(drafts.num_committed_tokens[i]) == len(r.prompt) + len(r.out)
         w = int(drafts.num_draft_tokens[i])
         assert w <= r.k

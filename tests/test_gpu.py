@@ -14,9 +14,15 @@ from worker.runner import ModelRunner
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+@pytest.mark.parametrize(
+    ("graphs", "compiled"),
+    [(True, False), (False, False), (True, True)],
+    ids=["cuda-graphs", "eager", "cuda-graphs-compiled"],
+)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str, graphs: bool) -> None:
+def test_cuda_fp32_ngram_greedy_equals_target_greedy(
+    arch: str, graphs: bool, compiled: bool
+) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     dev = torch.device("cuda")
@@ -25,7 +31,12 @@ def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str, graphs: bool) ->
     target = target.to(dev)
     runner = ModelRunner(
         ModelExecutor(
-            target, max_num_seqs=4, max_model_len=128, decode_width=5, cuda_graphs=graphs
+            target,
+            max_num_seqs=4,
+            max_model_len=128,
+            decode_width=5,
+            cuda_graphs=graphs,
+            compile_layers=compiled,
         ),
         NgramDrafter(min_n=1, max_n=3, max_num_tokens=4),
         max_num_seqs=4,
@@ -45,8 +56,7 @@ def test_cuda_fp32_ngram_greedy_equals_target_greedy(arch: str, graphs: bool) ->
 def test_capturing_every_shape_keeps_the_kv_cache_out_of_autograd() -> None:
     """A model built from a config wants gradients; capture_all used to run its warm-ups with
     autograd on, and every forward's history hung off the KV cache (8B at batch 64 ran out of
-    the H200's memory while capturing). Not re-run on the GPU after the fix: the device time
-    was spent."""
+    the H200's memory while capturing)."""
     dev = torch.device("cuda")
     target = tiny_model("llama", seed=22).to(dev)
     target.requires_grad_(True)

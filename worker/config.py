@@ -38,6 +38,7 @@ class WorkerConfig:
     tp_rank: int = 0  # set by rank 0 for the ranks it launches
     tp_init: str | None = None  # tcp://HOST:PORT of the rank group (set by rank 0)
     enforce_eager: bool = False
+    enable_torch_compile: bool = False
 
     def transport(self) -> TransportConfig:
         return TransportConfig(
@@ -176,6 +177,12 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         help="no CUDA graphs: run decode steps eagerly (as vLLM's flag of that name)",
     )
     ap.add_argument(
+        "--enable-torch-compile",
+        action="store_true",
+        help="torch.compile the decoder layers around attention (fused norm, rotary and MLP "
+        "kernels; as SGLang's flag of that name); compiles at start-up while graphs are captured",
+    )
+    ap.add_argument(
         "--metrics-port",
         type=int,
         default=d.metrics_port,
@@ -214,4 +221,5 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         tp_rank=a.tp_rank,
         tp_init=a.tp_init,
         enforce_eager=a.enforce_eager,
+        enable_torch_compile=a.enable_torch_compile,
     )

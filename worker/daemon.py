@@ -43,7 +43,7 @@ from worker.drafters.ngram import NgramDrafter
 from worker.drafters.parallel import ParallelDrafter
 from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor
-from worker.model_loader import load_model
+from worker.model_loader import eos_token_ids, load_model
 from worker.runner import ModelRunner, StepError
 from worker.tensor_parallel import shard_model
 from worker.tp_group import BroadcastRunner, follow
@@ -74,6 +74,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             batch_invariant=invariant,
             decode_width=1 + k,
             cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
+            compile_layers=cfg.enable_torch_compile,
         )
 
     drafter: Drafter = NoDrafter()
@@ -118,9 +119,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_model_len=cfg.max_model_len,
         max_num_draft_tokens=k,
     )
-    gen = getattr(target.model, "generation_config", None)
-    eos = getattr(gen, "eos_token_id", None) or target.model.config.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
+    eos_ids = eos_token_ids(target.model)
     ready = WorkerReady(
         protocol_major=PROTOCOL_MAJOR,
         protocol_minor=PROTOCOL_MINOR,

@@ -6,6 +6,7 @@ import torch
 from transformers import PreTrainedModel
 
 from worker.attention import ATTN_IMPLEMENTATION, build_dense_metadata, build_metadata
+from worker.compiled import CompiledLayers
 from worker.decode_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 
@@ -26,6 +27,7 @@ class ModelExecutor:
         batch_invariant: str = "off",
         decode_width: int = 1,
         cuda_graphs: bool = True,
+        compile_layers: bool = False,
     ) -> None:
         """``batch_invariant``: "off"; "pad" rounds every forward up to a multiple of
         ``TOKEN_BUCKET`` tokens and pads each request's queries to ``QUERY_PAD`` rows, so a token's
@@ -34,7 +36,10 @@ class ModelExecutor:
 
         ``decode_width``: the most tokens a request runs in a decode step (1 + its drafts). Steps
         where every request runs 1..decode_width tokens take the padded layout of
-        ``DecodeGraphs`` (replayed from CUDA graphs on GPU unless ``cuda_graphs`` is False)."""
+        ``DecodeGraphs`` (replayed from CUDA graphs on GPU unless ``cuda_graphs`` is False).
+
+        ``compile_layers``: decode-shaped forwards run torch.compile'd decoder layers
+        (compiled.py)."""
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}")
         self.batch_invariant = batch_invariant
@@ -44,6 +49,8 @@ class ModelExecutor:
                 "worker.model_loader.load_model): other attention ignores the worker's KV cache"
             )
         cfg = model.config.get_text_config()
+        # decode-shaped forwards run torch.compile'd layers (compiled.py); prefill runs them plain
+        self.compiled = CompiledLayers.for_model(model) if compile_layers else None
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -98,7 +105,11 @@ class ModelExecutor:
             query_rows=QUERY_PAD if invariant else 0,
             fp32=self.batch_invariant == "pad-fp32",
         )
-        hidden = self._backbone(input_ids, positions, meta)  # [T, hidden]
+        if self.compiled is None:
+            hidden = self._backbone(input_ids, positions, meta)  # [T, hidden]
+        else:
+            with self.compiled.active():
+                hidden = self._backbone(input_ids, positions, meta)
         logits = self.lm_head(hidden).float()[:, : self.vocab_size]  # [T, vocab]
         return logits, hidden
 

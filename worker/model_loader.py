@@ -117,3 +117,10 @@ def load_model(
     model.to(device).eval()
     model.requires_grad_(False)
     return LoadedModel(model=model, name=name, directory=directory)
+
+
+def eos_token_ids(model: PreTrainedModel) -> tuple[int, ...]:
+    """The ids that end a turn: the generation config's, else the model config's."""
+    gen = getattr(model, "generation_config", None)
+    eos = getattr(gen, "eos_token_id", None) or model.config.eos_token_id
+    return tuple(eos) if isinstance(eos, list | tuple) else (() if eos is None else (int(eos),))
