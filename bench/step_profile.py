@@ -5,11 +5,17 @@
 
 Prints, per configuration, the mean step time, the graph replay alone, and the host-side calls
 that cost most (self CPU time per step: Python-issued kernels, copies, synchronisations).
+
+    python bench/step_profile.py --size smollm2-narrow --prefill-check
+
+times a 40-token prefill forward with the plain layers and with the compiled ones put in place
+(what the first compiled variant did; prefill now runs the plain layers), then exits.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -54,6 +60,31 @@ def phase_timers(runner: ModelRunner) -> dict[str, float]:
     return spent
 
 
+def prefill_check(model: Any, device: torch.device) -> None:
+    ex = ModelExecutor(model, max_num_seqs=2, max_model_len=512, compile_layers=True)
+    assert ex.compiled is not None
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def prefill(n: int) -> None:
+        ids = torch.randint(0, 32000, (n,), device=device)
+        pos = torch.arange(n, device=device)
+        ex.forward(ids, pos, [0], [0], [n], torch.tensor([n - 1], device=device))
+
+    out = {}
+    for name in ("plain", "compiled"):
+        ctx = ex.compiled.active() if name == "compiled" else contextlib.nullcontext()
+        with ctx:
+            for n in (40, 41, 57, 40):  # compile, then the dynamic-shape recompile
+                prefill(n)
+            sync()
+            t0 = time.perf_counter()
+            for i in range(20):
+                prefill(40 + i % 3)
+            sync()
+        out[name] = round((time.perf_counter() - t0) / 20 * 1e3, 2)
+    print("prefill forward ms:", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="smollm2", choices=sorted(SIZES))
@@ -61,6 +92,7 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--prefill-check", action="store_true")
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
@@ -73,6 +105,9 @@ def main() -> None:
         ).eval()
     model.requires_grad_(False)
     stable_greedy(model)
+    if a.prefill_check:
+        prefill_check(model, device)
+        return
     prompt = np.random.default_rng(1).integers(0, 32000, 64).tolist()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     truth: dict[str, tuple[int, list[int]]] = {}

@@ -54,6 +54,13 @@ SIZES = {  # Llama-shaped, random weights
         num_attention_heads=9,
         num_key_value_heads=3,
     ),
+    "smollm2-narrow": dict(  # its 30 layers at a width where host time shows (step_profile.py)
+        hidden_size=72,
+        intermediate_size=96,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+    ),
     "tiny": dict(
         hidden_size=64,
         intermediate_size=128,

@@ -211,3 +211,9 @@ def test_bench_serve_reports_latency_and_throughput(tmp_path: Path) -> None:
     assert report["ttft"]["p50_ms"] > 0 and report["e2e"]["p99_ms"] >= report["e2e"]["p50_ms"]
     assert report["throughput_rps"] > 0 and report["spec"]["output_tokens"] > 0
     assert "12/12 finished" in out.stderr
+
+
+def test_compile_refuses_tensor_parallelism() -> None:
+    with pytest.raises(ValueError, match="--enable-torch-compile"):
+        parse_args(["--enable-torch-compile", "--tensor-parallel-size", "2"])
+    assert parse_args(["--enable-torch-compile"]).enable_torch_compile

@@ -76,6 +76,9 @@ class WorkerConfig:
             raise ValueError("--device must be cpu or cuda[:N]")
         if self.tensor_parallel_size < 1 or not 0 <= self.tp_rank < self.tensor_parallel_size:
             raise ValueError("--tensor-parallel-size must be >= 1 (and --tp-rank below it)")
+        if self.enable_torch_compile and self.tensor_parallel_size > 1:
+            # the row-parallel layers all-reduce inside the layer: not traced or tested compiled
+            raise ValueError("--enable-torch-compile does not work with --tensor-parallel-size > 1")
         validate_address(self.listen)
         check_security(self.listen, self.transport(), server=True)
 
