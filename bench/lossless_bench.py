@@ -7,10 +7,13 @@ the batch-1 decode step against its floors. Any device and dtype.
 (a) For each batch size the prompt mix (edit tasks, JSON, open chat; repeated to fill the batch) is
 decoded without drafts and with n-gram drafts: tokens/s, mean acceptance length, acceptance per
 position, and the share of tokens equal to the no-draft output (position by position and as matched
-prefix), per prompt kind at batch 1. (b) HF `generate` plain and with prompt lookup at batch 1.
-(d) The batch-1 no-draft step against the weight-streaming floor (weight bytes / measured HBM
-bandwidth) and against replaying the step's CUDA graph alone. Every configuration runs once untimed
-first (graph capture, allocator), then timed.
+prefix), per prompt kind at batch 1; tokens per decode step (every decode step counted, those where
+the drafter found nothing too), the decode-phase speedup, and the ideal that acceptance allows
+(tokens per decode step over the no-draft run's, times 1 - drafting share). Requests end at the
+model's end of turn or at --max-tokens (--ignore-eos: always --max-tokens). (b) HF `generate` plain
+and with prompt lookup at batch 1, same stops. (d) The batch-1 no-draft decode step against the
+weight-streaming floor (weight bytes / measured HBM bandwidth) and against replaying the step's CUDA
+graph alone. Every configuration runs once untimed first (graph capture, allocator), then timed.
 """
 
 from __future__ import annotations
@@ -172,7 +175,7 @@ def share(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
 
 
 def floors(model: torch.nn.Module, runner: ModelRunner, step_s: float) -> dict[str, float]:
-    """(d): the measured batch-1 step vs weight bytes / HBM bandwidth and vs graph replay."""
+    """(d): the measured batch-1 decode step vs weight bytes / HBM bandwidth and vs graph replay."""
     out: dict[str, float] = {"step_ms": step_s * 1e3}
     if not torch.cuda.is_available():
         return out
@@ -364,7 +367,9 @@ def main() -> None:
                 }
             rows.append(row)
         if batch == 1:
-            results["floors"] = floors(model, base["runner"], base["parts"][0]["step_s"])
+            # the decode steps of every prompt (a prefill step is not the shape being replayed)
+            dec_s, dec_n, _ = base["decode"]
+            results["floors"] = floors(model, base["runner"], dec_s / max(dec_n, 1))
             spec1 = per["ngram"]["tps"]
             results["specd_batch1_tps"] = {"none": base["tps"], "ngram": spec1}
         del per

@@ -183,7 +183,8 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "--enable-torch-compile",
         action="store_true",
         help="torch.compile the decoder layers around attention (fused norm, rotary and MLP "
-        "kernels; as SGLang's flag of that name); compiles at start-up while graphs are captured",
+        "kernels; as SGLang's flag of that name) for decode steps; on CUDA they compile at "
+        "start-up while graphs are captured, on the CPU at the first decode steps",
     )
     ap.add_argument(
         "--metrics-port",
