@@ -134,7 +134,6 @@ def decode(
     draft_share = drafter_share(runner, fenced, tuner) if k else 0.0
     reqs = [Req(f"r{j}", p, max_tokens, k=k, stop_ids=stop_ids) for j, p in enumerate(prompts)]
     sync()
-    steps0 = runner.num_steps
     t0 = time.perf_counter()
     log: list[tuple[float, bool, int]] = []
     got = run(runner, reqs, max_steps=100_000, tuner=tuner, step_log=log)
@@ -149,7 +148,6 @@ def decode(
     return {
         "outs": [got[r.req_id] for r in reqs],
         "tps": tokens / dt,
-        "step_s": dt / max(runner.num_steps - steps0, 1),
         # decode steps only (no prompt tokens in them): seconds, steps, tokens sampled
         "decode": (sum(s for s, _ in decode), len(decode), sum(n for _, n in decode)),
         "mean_len": 1 + sum(r.accepted for r in reqs) / max(spec_steps, 1),
@@ -323,7 +321,6 @@ def main() -> None:
                 "drafter_share": sum(p["drafter_share"] for p in parts) / len(parts),
                 "tokens_per_step": sum(p["tokens_per_step"] for p in parts) / len(parts),
                 "draft_step_share": sum(p["draft_step_share"] for p in parts) / len(parts),
-                "step_ms": 1e3 * sum(p["step_s"] for p in parts) / len(parts),
                 "decode": [sum(p["decode"][i] for p in parts) for i in range(3)],
             }
         base = per["none"]
@@ -342,7 +339,6 @@ def main() -> None:
                 "drafter_share_of_time": r["drafter_share"],
                 "tokens_per_step": r["tokens_per_step"],
                 "draft_step_share": r["draft_step_share"],
-                "step_ms": r["step_ms"],
                 "tokens": sum(len(o) for o in r["outs"]),
                 "decode_seconds_steps_tokens": r["decode"],
                 "decode_step_ms": 1e3 * r["decode"][0] / max(r["decode"][1], 1),

@@ -24,13 +24,11 @@ from typing import Any
 import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import AutoModelForCausalLM, LlamaConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.synthetic_bench import SIZES, OracleDrafter, stable_greedy
+from bench.synthetic_bench import SIZES, OracleDrafter, random_target
 from tests.driver import Req, run
-from worker.attention import ATTN_IMPLEMENTATION
 from worker.drafters.base import NoDrafter
 from worker.model_executor import ModelExecutor
 from worker.runner import ModelRunner
@@ -96,15 +94,7 @@ def main() -> None:
     a = ap.parse_args()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda" if cuda else "cpu")
-    dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SIZES[a.size])
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-        ).eval()
-    model.requires_grad_(False)
-    stable_greedy(model)
+    model = random_target(a.size, device)
     if a.prefill_check:
         prefill_check(model, device)
         return

@@ -127,6 +127,24 @@ def stable_greedy(model) -> None:
         model.get_output_embeddings().weight.copy_(emb[perm.to(emb.device)])
 
 
+def random_target(size: str, device: torch.device) -> torch.nn.Module:
+    """A Llama of ``SIZES[size]`` with seeded random weights (bf16 on CUDA, float32 on the CPU),
+    without gradients, its greedy choice made stable (``stable_greedy``)."""
+    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SIZES[size])
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(
+            cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        ).eval()
+    # a model from a config wants gradients: without this every captured warm-up kept its
+    # autograd history (all activations and gathered KV) alive, and 8B at batch 64 ran out
+    # of memory while capturing
+    model.requires_grad_(False)
+    stable_greedy(model)
+    return model
+
+
 def timed_run(model, drafter, prompts, max_tokens, k, batch, mode, truth=None, tuner=None):
     runner = ModelRunner(
         ModelExecutor(
@@ -176,20 +194,9 @@ def main() -> None:
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     device = torch.device(a.device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
     for size in a.sizes:
-        cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SIZES[size])
-        torch.manual_seed(0)
-        with torch.device(device):
-            model = AutoModelForCausalLM.from_config(
-                cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-            ).eval()
-        # a model from a config wants gradients: without this every captured warm-up kept its
-        # autograd history (all activations and gathered KV) alive, and 8B at batch 64 ran out
-        # of memory while capturing
-        model.requires_grad_(False)
-        stable_greedy(model)
+        model = random_target(size, device)
         n_params = sum(p.numel() for p in model.parameters())
         rng = np.random.default_rng(1)
         for batch in a.batches:

@@ -3,8 +3,8 @@
 A small model's decode step is launch-bound: HF's RMSNorm, rotary embedding, SiLU-and-multiply and
 residual adds are a dozen separate kernels per layer for a few kilobytes of data each. Compiling
 each decoder layer fuses them into a handful of Triton (GPU) or C++ (CPU) kernels. Attention stays
-out of the compiled graphs (``torch.compiler.disable``: the KV cache is written in place, and the
-ragged path loops over requests), so each layer compiles into the part before attention and the
+out of the compiled graphs (attention.py registers it under ``torch.compiler.disable``: the KV
+cache is written in place, and the ragged path loops over requests), so each layer compiles into the part before attention and the
 part after it. Every layer runs the same code, so one compiled graph per shape class serves all of
 them; token counts are dynamic after the first recompile.
 
@@ -25,9 +25,7 @@ from contextlib import contextmanager
 
 import torch
 import torch._dynamo
-from transformers import AttentionInterface, PreTrainedModel
-
-from worker.attention import ATTN_IMPLEMENTATION, specd_attention
+from transformers import PreTrainedModel
 
 log = logging.getLogger("specd.worker")
 
@@ -44,8 +42,6 @@ class CompiledLayers:
         torch._dynamo.config.accumulated_cache_size_limit = max(
             torch._dynamo.config.accumulated_cache_size_limit, 1024
         )
-        # Attention writes the KV cache in place: it runs eagerly between the compiled halves.
-        AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(specd_attention))
         backbone = model.get_decoder()
         self.modules: list[torch.nn.Module] = [*backbone.layers, backbone.norm]
         self.forwards = [torch.compile(m.forward) for m in self.modules]

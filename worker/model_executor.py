@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 from transformers import PreTrainedModel
 
@@ -105,11 +107,8 @@ class ModelExecutor:
             query_rows=QUERY_PAD if invariant else 0,
             fp32=self.batch_invariant == "pad-fp32",
         )
-        if self.compiled is None:
+        with self.compiled.active() if self.compiled is not None else nullcontext():
             hidden = self._backbone(input_ids, positions, meta)  # [T, hidden]
-        else:
-            with self.compiled.active():
-                hidden = self._backbone(input_ids, positions, meta)
         logits = self.lm_head(hidden).float()[:, : self.vocab_size]  # [T, vocab]
         return logits, hidden
 
