@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -200,6 +201,53 @@ def test_a_second_scheduler_takes_the_worker_over(tmp_path: Path, model: Path) -
                 e.close()
         worker.kill()
         worker.wait(timeout=30)
+
+
+def test_a_worker_restarted_at_its_address_takes_the_replay(tmp_path: Path, model: Path) -> None:
+    """A worker we did not launch is killed mid-run and a supervisor restarts it at once at the
+    same address: the engine notices the dropped connection (not only after ten missed pings, by
+    which time the new worker would answer them), shakes hands with the new one and replays;
+    outputs equal an undisturbed run, long before the step timeout."""
+    addr = f"ipc://{tmp_path}/w.sock"
+    flags = ("--max-model-len", "256")
+    workers = [start_worker(model, addr, *flags)]
+    e = None
+    try:
+        e = Engine(
+            EngineConfig(
+                worker_addr=addr, handshake_timeout_s=180, step_timeout_s=600, max_worker_restarts=1
+            )
+        )
+        batch = [{"prompt": p, "max_tokens": 60, "ignore_eos": True} for p in PROMPTS[:2]]
+        want = [r.output_ids for r in e.generate(batch)]
+        reqs = [e.add_request(**r) for r in batch]
+        errors: list[BaseException] = []
+
+        def run() -> None:
+            try:
+                e.run_until_done()
+            except BaseException as exc:  # reported by the test thread
+                errors.append(exc)
+
+        t = threading.Thread(target=run)
+        t.start()
+        wait_until(lambda: len(reqs[0].output_ids) >= 5, 60, "the requests to run")
+        t0 = time.monotonic()
+        workers[0].kill()
+        workers[0].wait(timeout=30)
+        workers.append(start_worker(model, addr, *flags))
+        t.join(timeout=300)
+        assert not t.is_alive() and not errors, errors
+        assert time.monotonic() - t0 < 120  # not the 600 s step timeout
+        assert e.num_worker_restarts == 1
+        assert [r.error for r in reqs] == [None] * len(reqs)
+        assert [r.output_ids for r in reqs] == want
+    finally:
+        if e is not None:
+            e.close()
+        for w in workers:
+            w.kill()
+            w.wait(timeout=30)
 
 
 def test_a_major_version_mismatch_is_refused_naming_both_versions(
