@@ -9,6 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from protocol import (
     PROTOCOL_MAJOR,
@@ -83,10 +84,24 @@ class WorkerClient:
         self.ping_interval_s = ping_interval_s
         self.max_missed_pings = max_missed_pings
         self._missed = 0
+        # A worker we did not launch that exits drops its connection: that is noticed at once,
+        # before another worker can bind the same address and answer our pings (its pongs would
+        # hide the loss of the step in flight) or our next step (refused: "no_handshake").
+        self._monitor = self.chan.sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
 
     def close(self) -> None:
+        self.chan.sock.disable_monitor()
+        self._monitor.close(linger=0)
         self.chan.close()
         self.ctx.term()
+
+    def _check_connected(self) -> None:
+        """After the handshake, a dropped connection to a worker we did not launch is its end."""
+        if self.proc is not None or self.ready is None or not self._monitor.poll(0):
+            return
+        event = recv_monitor_message(self._monitor)
+        if event["event"] == zmq.EVENT_DISCONNECTED:
+            raise WorkerDied(f"the connection to the worker at {self.addr} dropped")
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
@@ -120,9 +135,11 @@ class WorkerClient:
             if got is not None:
                 self._missed = 0
                 return got[1]
+            self._check_connected()
 
     def _send(self, msg: Message) -> None:
         self._check_alive()
+        self._check_connected()
         try:
             self.chan.send(msg)
         except ProtocolError as e:
