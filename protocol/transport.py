@@ -114,8 +114,10 @@ class Channel:
             frames = frames[1:]
         return identity, self.codec.decode([f.buffer for f in frames])
 
-    def close(self) -> None:
-        self.sock.close(linger=self.config.linger_ms)
+    def close(self, linger_ms: int | None = None) -> None:
+        """Close the socket; ``linger_ms`` (default: the config's) bounds how long messages still
+        queued may take to leave."""
+        self.sock.close(linger=self.config.linger_ms if linger_ms is None else linger_ms)
         if self.authenticator is not None:
             self.authenticator.stop()
             self.authenticator = None

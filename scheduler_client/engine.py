@@ -64,7 +64,7 @@ class EngineConfig:
     # After a worker death: relaunch it (when we launched it) or wait for a new one at worker_addr,
     # then replay every in-flight request from prompt + committed tokens. 0 disables.
     max_worker_restarts: int = 3
-    metrics_port: int = 0  # Prometheus endpoint of the scheduler (0: off)
+    metrics_port: int = 0  # Prometheus endpoint of the scheduler (0: off; -1: any free port)
     # CURVE keys for a tcp:// worker_addr (launched workers use ipc:// and need none)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
@@ -99,8 +99,8 @@ class Engine:
             self.scheduler = Scheduler(config.scheduler, limits, self.tokenizer, grammar)
             self.prom = SchedulerMetrics()
             self.scheduler.on_finish = self.prom.record_finished
-            if config.metrics_port:
-                self.prom.serve(config.metrics_port)
+            # the port bound (the one asked for, or a free one for -1); 0: not serving
+            self.metrics_port = self.prom.serve(config.metrics_port) if config.metrics_port else 0
         except BaseException:
             self.close()
             raise
@@ -383,6 +383,9 @@ class Engine:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+        prom = getattr(self, "prom", None)
+        if prom is not None:
+            prom.stop()
 
     def __enter__(self) -> Engine:
         return self

@@ -64,7 +64,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "--metrics-port",
         type=int,
         default=0,
-        help="serve the scheduler's Prometheus metrics on this port (0: off)",
+        help="serve the scheduler's Prometheus metrics on this port (0: off; -1: any free port)",
     )
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from wsgiref.simple_server import WSGIServer
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from scheduler_client.request import Request
@@ -9,6 +11,7 @@ from scheduler_client.request import Request
 
 class SchedulerMetrics:
     def __init__(self) -> None:
+        self.server: WSGIServer | None = None  # the /metrics listener, once served
         self.registry = CollectorRegistry()
         r = self.registry
         self.step_seconds = Histogram(
@@ -62,8 +65,17 @@ class SchedulerMetrics:
             "specd_scheduler_worker_restarts_total", "Workers replaced after a death", registry=r
         )
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int) -> int:
+        """Serve ``/metrics`` on ``port`` (-1: any free port) until ``stop``; returns the port."""
+        self.server, _thread = start_http_server(max(port, 0), registry=self.registry)
+        return int(self.server.server_port)
+
+    def stop(self) -> None:
+        """Close the ``/metrics`` listener, if ``serve`` opened one."""
+        if self.server is not None:
+            self.server.shutdown()
+            self.server.server_close()
+            self.server = None
 
     def record_finished(self, req: Request) -> None:
         """Fold a finished request's totals in (counted once, at the end)."""

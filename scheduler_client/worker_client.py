@@ -105,6 +105,17 @@ class WorkerClient:
 
     def _check_alive(self) -> None:
         if self.proc is not None and self.proc.poll() is not None:
+            # NOTE: a worker that stops says why (a fatal WorkerError) just before it exits; read
+            # what it sent before the exit so the reason is not lost to the race with poll().
+            while True:
+                try:
+                    got = self.chan.recv(timeout_ms=0)
+                except ProtocolError:
+                    continue  # consumed; what follows may still be the reason
+                if got is None:
+                    break
+                if isinstance(got[1], WorkerError) and got[1].fatal:
+                    raise WorkerDied(f"worker failed: {got[1].code}: {got[1].message}")
             raise WorkerDied(
                 f"worker process {self.proc.pid} exited with code {self.proc.returncode}"
             )

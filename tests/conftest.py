@@ -9,6 +9,22 @@ from pathlib import Path
 
 import pytest
 
+from tests.leftovers import Snapshot
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="session", autouse=True)
+def leaves_nothing_behind() -> Iterator[None]:
+    """The session ends as it started: no process it started still running or unwaited, no TCP
+    port it opened still listening, nothing new in the repository (tests/leftovers.py says how
+    each is checked). A leftover fails the session at its last teardown, naming what was left."""
+    start = Snapshot.take(ROOT)
+    yield
+    left = start.leftovers()
+    if left:
+        pytest.fail("the test session left behind:\n  " + "\n  ".join(left), pytrace=False)
+
 
 @pytest.fixture(scope="module")
 def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

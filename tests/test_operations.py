@@ -13,7 +13,7 @@ import pytest
 
 from scheduler_client import Engine, EngineConfig, WorkerDied
 from tests.models import save_byte_model, save_tiny
-from tests.procs import free_port, start_worker
+from tests.procs import logged, reap, start_worker
 from worker.config import parse_args
 
 
@@ -60,8 +60,7 @@ def test_health_json_logs_and_sigterm(tmp_path: Path, ipc_addr: str) -> None:
         down = specd("health", ipc_addr, "--timeout", "1")
         assert down.returncode == 1 and json.loads(down.stdout)["ok"] is False
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        reap(proc)
 
 
 def test_sigterm_mid_run_is_reported_to_the_scheduler(tmp_path: Path) -> None:
@@ -83,7 +82,11 @@ def test_sigterm_mid_run_is_reported_to_the_scheduler(tmp_path: Path) -> None:
         with pytest.raises(WorkerDied) as info:
             while True:
                 e.step()
-        assert "shutting_down" in str(info.value) or "exited with code 0" in str(info.value)
+        # the worker says why before it exits, and the reason is read even when its exit is
+        # noticed first
+        assert (
+            str(info.value) == "worker failed: shutting_down: the worker was told to stop (signal)"
+        )
         assert e.proc.wait(timeout=30) == 0
         assert all(r.finish_reason == "error" for r in reqs)
     finally:
@@ -104,14 +107,15 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     model = save_byte_model("llama", 6, tmp_path / "m")
-    worker_port, sched_port = free_port(), free_port()
+    log = tmp_path / "worker.log"
     cfg = EngineConfig(
         model=str(model),
         device="cpu",
         max_model_len=128,
         step_timeout_s=60,
-        worker_args=("--metrics-port", str(worker_port)),
-        metrics_port=sched_port,
+        worker_args=("--metrics-port", "-1"),  # -1: any free port, logged
+        worker_log=str(log),
+        metrics_port=-1,
     )
     with Engine(cfg) as e:
         reqs = e.generate(
@@ -119,8 +123,12 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
             + [{"prompt": "x", "max_tokens": 40, "structured": {"choice": ["yes"]}}]
         )
         assert all(r.error is None for r in reqs)
+        assert e.metrics_port > 0
+        worker_port = int(logged(log, r"Prometheus metrics on :(\d+)/metrics").group(1))
         w = scrape(worker_port)
-        s = scrape(sched_port)
+        s = scrape(e.metrics_port)
+    with pytest.raises(OSError, match="Connection refused"):  # closed with the engine
+        scrape(e.metrics_port)
     assert w["specd_worker_steps_total"] > 0
     assert w["specd_worker_sampled_tokens_total"] >= 36
     assert w["specd_worker_draft_tokens_total"] > 0
@@ -130,28 +138,34 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     assert s["specd_scheduler_output_tokens_total"] >= 36
     assert s["specd_scheduler_draft_tokens_total"] == w["specd_worker_draft_tokens_total"]
     assert s["specd_scheduler_queue_depth"] == 0
-    assert s["specd_scheduler_grammar_forced_drafts_total"] >= 0
+    # "yes" is the only choice: its tokens are forced, and offered as drafts
+    forced = sum(r.metrics.num_forced for r in reqs)
+    assert forced > 0 and s["specd_scheduler_grammar_forced_drafts_total"] == forced
 
 
 def test_worker_frees_requests_of_a_dead_scheduler(tmp_path: Path) -> None:
     """The scheduler is killed (its requests stay on the worker); after --peer-timeout of silence
-    the worker frees them, and a new scheduler gets every slot."""
+    the worker frees them, and a new scheduler gets every slot. The timeout (10 s) leaves the
+    scrape that sees the dead scheduler's requests ample time (it takes well under a second)."""
     model = save_byte_model("llama", 7, tmp_path / "m")
-    port = free_port()
     addr = f"ipc://{tmp_path}/w.sock"
-    proc = start_worker(
-        str(model),
-        addr,
-        "--max-model-len",
-        "128",
-        "--max-num-seqs",
-        "2",
-        "--peer-timeout",
-        "1",
-        "--metrics-port",
-        str(port),
-    )
+    log = tmp_path / "worker.log"
+    with open(log, "wb") as err:
+        proc = start_worker(
+            str(model),
+            addr,
+            "--max-model-len",
+            "128",
+            "--max-num-seqs",
+            "2",
+            "--peer-timeout",
+            "10",
+            "--metrics-port",
+            "-1",
+            stderr=err,
+        )
     try:
+        port = int(logged(log, r"Prometheus metrics on :(\d+)/metrics", proc).group(1))
         script = (
             "from scheduler_client import Engine, EngineConfig\n"
             f"e = Engine(EngineConfig(worker_addr={addr!r}, handshake_timeout_s=120))\n"
@@ -164,16 +178,16 @@ def test_worker_frees_requests_of_a_dead_scheduler(tmp_path: Path) -> None:
         )
         assert "stepped" in out.stdout, out.stderr
         assert scrape(port)["specd_worker_running_requests"] == 2
-        deadline = time.monotonic() + 30
+        logged(log, "scheduler silent for 10 s with 2 requests: freeing them", proc)
+        deadline = time.monotonic() + 30  # the gauge is set just after that line is logged
         while scrape(port)["specd_worker_running_requests"] != 0:
             assert time.monotonic() < deadline, "requests of the dead scheduler were never freed"
-            time.sleep(0.3)
+            time.sleep(0.1)
         with Engine(EngineConfig(worker_addr=addr, handshake_timeout_s=60)) as e:
             reqs = e.generate([{"prompt": "y", "max_tokens": 3, "ignore_eos": True}] * 2)
             assert all(r.error is None for r in reqs)
     finally:
-        proc.kill()
-        proc.wait(timeout=30)
+        reap(proc)
 
 
 def test_bench_serve_reports_latency_and_throughput(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -11,6 +12,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_wheel_holds_every_module(tmp_path: Path) -> None:
+    # setuptools writes build/ and *.egg-info next to the sources: build a copy, under tmp
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, src / name)
+    for pkg in ("protocol", "worker", "scheduler_client"):
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
     out = subprocess.run(
         [
             sys.executable,
@@ -20,7 +28,7 @@ def test_wheel_holds_every_module(tmp_path: Path) -> None:
             "-q",
             "--no-deps",
             "--no-build-isolation",
-            str(ROOT),
+            str(src),
             "-w",
             str(tmp_path),
         ],

@@ -3,7 +3,10 @@ API, TOML config, JSON logs, API keys and the SIGTERM drain."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -22,7 +25,7 @@ from scheduler_client import Engine, EngineConfig
 from scheduler_client.daemon import parse_args
 from scheduler_client.openai_api import ApiError, engine_request
 from tests.models import save_byte_model
-from tests.procs import free_port
+from tests.procs import logged, reap
 from tests.test_scheduler_e2e import SCHEMAS
 
 KEY = "sk-test-0123"
@@ -32,15 +35,21 @@ class Daemon:
     def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
         self.proc, self.port, self.log = proc, port, log
 
-    def call(
+    def request(
         self, path: str, body: dict[str, Any] | None = None, key: str | None = KEY
-    ) -> tuple[int, Any]:
+    ) -> urllib.request.Request:
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}")
         if body is not None:
             req.data = json.dumps(body).encode()
             req.add_header("Content-Type", "application/json")
         if key:
             req.add_header("Authorization", f"Bearer {key}")
+        return req
+
+    def call(
+        self, path: str, body: dict[str, Any] | None = None, key: str | None = KEY
+    ) -> tuple[int, Any]:
+        req = self.request(path, body, key)
         try:
             with urllib.request.urlopen(req, timeout=120) as r:
                 raw = r.read()
@@ -58,20 +67,38 @@ class Daemon:
             ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, timeout=10
         ).stdout.split()
 
+    def stream_in_flight(
+        self, path: str, body: dict[str, Any]
+    ) -> tuple[http.client.HTTPResponse, bytes]:
+        """Start a streamed request and read up to its first SSE event: once this returns, the
+        request is observably running (it has produced a token) and has not finished."""
+        resp = urllib.request.urlopen(self.request(path, {**body, "stream": True}), timeout=120)
+        first = b""
+        while not first.endswith(b"\n\n"):
+            line = resp.readline()
+            assert line, "the stream ended before its first event"
+            first += line
+        return resp, first
+
     def events(self, path: str, body: dict[str, Any]) -> list[Any]:
         """A streamed answer as its list of SSE payloads (``[DONE]`` kept as a string)."""
         _, raw = self.call(path, {**body, "stream": True})
         assert isinstance(raw, str)
-        out: list[Any] = []
-        for block in raw.split("\n\n"):
-            if block.startswith("data: "):
-                data = block[len("data: ") :]
-                out.append(data if data == "[DONE]" else json.loads(data))
-        return out
+        return sse(raw)
+
+
+def sse(raw: str) -> list[Any]:
+    """SSE text as its list of payloads (``[DONE]`` kept as a string)."""
+    out: list[Any] = []
+    for block in raw.split("\n\n"):
+        if block.startswith("data: "):
+            data = block[len("data: ") :]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out
 
 
 def start_daemon(tmp: Path, model: Path, *flags: str) -> Daemon:
-    port = free_port()
+    """The daemon on a port it picks (--port 0), read back from its "ready: http://..." line."""
     (tmp / "key").write_text(KEY + "\n")
     (tmp / "sched.toml").write_text(
         f'model = "{model}"\ndevice = "cpu"\nmax-model-len = 384\nlog_format = "json"\n'
@@ -87,23 +114,21 @@ def start_daemon(tmp: Path, model: Path, *flags: str) -> Daemon:
                 "--config",
                 str(tmp / "sched.toml"),
                 "--port",  # the flag wins over the file's port = 1
-                str(port),
+                "0",
                 "--worker-log",
                 str(tmp / "worker.log"),
                 *flags,
             ],
             stderr=err,
         )
-    d = Daemon(proc, port, log)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, log.read_text()
-        try:
-            if d.call("/health")[0] == 200:
-                return d
-        except OSError:
-            time.sleep(0.2)
-    raise AssertionError("the scheduler never became ready:\n" + log.read_text())
+    try:
+        port = int(logged(log, r'"ready: http://127\.0\.0\.1:(\d+) ', proc).group(1))
+        d = Daemon(proc, port, log)
+        assert d.call("/health", key=None)[0] == 200
+    except BaseException:
+        reap(proc)
+        raise
+    return d
 
 
 @pytest.fixture(scope="module")
@@ -114,9 +139,10 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Daemon]:
     d = start_daemon(tmp_path_factory.mktemp("sched"), model)
-    yield d
-    d.proc.kill()
-    d.proc.wait(timeout=30)
+    try:
+        yield d
+    finally:
+        reap(d.proc)
 
 
 def test_completions_equal_the_engine_greedy_output(daemon: Daemon, model: Path) -> None:
@@ -191,47 +217,52 @@ def test_bad_requests_get_clear_errors_and_others_keep_running(daemon: Daemon) -
 
 
 def test_sigterm_drains_running_requests_then_exits_0(tmp_path: Path, model: Path) -> None:
+    """SIGTERM once the request has streamed its first token: it runs on (300 tokens, seconds
+    of work against the microseconds between that token and the signal) and ends whole."""
     d = start_daemon(tmp_path, model, "--drain-timeout", "60")
     try:
-        results: list[tuple[int, Any]] = []
-        body = {"prompt": "go", "max_tokens": 150, "ignore_eos": True, "temperature": 0}
-        t = threading.Thread(target=lambda: results.append(d.call("/v1/completions", body)))
-        t.start()
-        deadline = time.monotonic() + 60
-        while d.call("/health")[1]["active_requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        d.proc.send_signal(signal.SIGTERM)
-        t.join(timeout=120)
+        body = {
+            "prompt": "go",
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+        resp, first = d.stream_in_flight("/v1/completions", body)
+        with resp:
+            d.proc.send_signal(signal.SIGTERM)
+            events = sse((first + resp.read()).decode())
         assert d.proc.wait(timeout=60) == 0
-        ((status, done),) = results
-        assert status == 200 and done["usage"]["completion_tokens"] == 150  # finished, not cut
+        assert events[-1] == "[DONE]"
+        assert events[-2]["choices"][0]["finish_reason"] == "length"  # finished, not cut
+        assert events[-2]["usage"]["completion_tokens"] == 300
         lines = [json.loads(x) for x in d.log.read_text().splitlines() if x.startswith("{")]
         msgs = [x["msg"] for x in lines]
         assert any(m.startswith("ready: http://") for m in msgs)
         assert any(m.startswith("draining 1 requests") for m in msgs), msgs
     finally:
-        d.proc.kill()
-        d.proc.wait(timeout=30)
+        reap(d.proc)
 
 
 def test_sigterm_aborts_what_outlives_the_drain_deadline(tmp_path: Path, model: Path) -> None:
     d = start_daemon(tmp_path, model, "--drain-timeout", "0")
     try:
-        body = {"prompt": "go", "max_tokens": 300, "ignore_eos": True, "temperature": 0}
-        results: list[list[Any]] = []
-        t = threading.Thread(target=lambda: results.append(d.events("/v1/completions", body)))
-        t.start()
-        deadline = time.monotonic() + 60
-        while d.call("/health")[1]["active_requests"] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        d.proc.send_signal(signal.SIGTERM)
-        t.join(timeout=120)
+        body = {
+            "prompt": "go",
+            "max_tokens": 300,
+            "ignore_eos": True,
+            "temperature": 0,
+            "stream_options": {"include_usage": True},
+        }
+        resp, first = d.stream_in_flight("/v1/completions", body)
+        with resp:
+            d.proc.send_signal(signal.SIGTERM)
+            events = sse((first + resp.read()).decode())
         assert d.proc.wait(timeout=60) == 0
-        (events,) = results
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "abort"
+        assert 0 < events[-2]["usage"]["completion_tokens"] < 300  # cut: some tokens, not all
     finally:
-        d.proc.kill()
-        d.proc.wait(timeout=30)
+        reap(d.proc)
 
 
 def test_config_errors_name_what_to_fix(tmp_path: Path) -> None:
@@ -284,19 +315,28 @@ def test_openai_bodies_become_engine_requests() -> None:
 
 
 def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path) -> None:
+    """The worker notices within a poll or two (0.2 s each); the limit is 10 s."""
     d = start_daemon(tmp_path, model)
-    children = d.children()
-    assert len(children) == 1, children
-    worker = int(children[0])
-    d.proc.kill()  # no drain, no Shutdown message: the worker must notice on its own
-    d.proc.wait(timeout=30)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    status = Path(f"/proc/{worker}/status")
-    gone = not status.exists() or "zombie" in status.read_text()
-    assert gone, "the launched worker outlived its scheduler"
-    assert "is gone: stopping" in (tmp_path / "worker.log").read_text()
+    worker = 0
+    try:
+        children = d.children()
+        assert len(children) == 1, children
+        worker = int(children[0])
+        d.proc.kill()  # no drain, no Shutdown message: the worker must notice on its own
+        d.proc.wait(timeout=30)
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status = Path(f"/proc/{worker}/status")
+        gone = not status.exists() or "zombie" in status.read_text()
+        assert gone, "the launched worker outlived its scheduler"
+        assert "is gone: stopping" in (tmp_path / "worker.log").read_text()
+    finally:
+        reap(d.proc)
+        if worker and Path(f"/proc/{worker}").exists():
+            # orphaned (not our child, so not ours to wait for): its new parent reaps it
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGKILL)
 
 
 def test_data_parallel_spreads_requests_over_two_workers(tmp_path: Path, model: Path) -> None:
@@ -336,5 +376,4 @@ def test_data_parallel_spreads_requests_over_two_workers(tmp_path: Path, model: 
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(timeout=60) == 0
     finally:
-        d.proc.kill()
-        d.proc.wait(timeout=30)
+        reap(d.proc)

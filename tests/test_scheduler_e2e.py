@@ -17,7 +17,7 @@ import pytest
 
 from scheduler_client import Engine, EngineConfig, SchedulerConfig, WorkerDied
 from tests.models import BYTE_MODEL_SEED, greedy_reference, reference_copy, tiny_model
-from tests.procs import start_worker
+from tests.procs import reap, start_worker
 
 SEED = BYTE_MODEL_SEED  # the target_dir fixture's model (conftest.py)
 
@@ -215,20 +215,23 @@ def test_stale_drafts_are_dropped_and_output_stays_constrained(target_dir: Path)
         assert req.error is None and req.text in ("alpha", "beta")
 
 
-def test_worker_killed_mid_run_reports_within_two_seconds(target_dir: Path) -> None:
+def test_worker_killed_mid_run_is_reported_from_its_exit(target_dir: Path) -> None:
+    """The death is seen from the process's exit (about 0.2 s here, under load), not after the
+    60 s step timeout; the limit is 100 times the typical time and a third of that timeout."""
     e = engine(target_dir, "ngram", max_worker_restarts=0)
     try:
         reqs = [e.add_request("long", max_tokens=300, ignore_eos=True) for _ in range(3)]
         for _ in range(3):
             e.step()
         assert e.proc is not None
-        os.kill(e.proc.pid, signal.SIGKILL)
+        pid = e.proc.pid
+        os.kill(pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerDied) as info:
             while True:
                 e.step()
-        assert time.monotonic() - t0 < 2.0
-        assert "exited" in str(info.value)
+        assert time.monotonic() - t0 < 20
+        assert str(info.value) == f"worker process {pid} exited with code -9"
         assert all(r.finish_reason == "error" and "worker died" in (r.error or "") for r in reqs)
     finally:
         e.close()
@@ -263,14 +266,14 @@ def test_specd_run_connects_to_a_running_worker(target_dir: Path, ipc_addr: str)
         assert "mean_acceptance_length" in lines[-1]["metrics"]
         assert worker.poll() is None, "a worker we did not launch must keep running"
     finally:
-        worker.kill()
-        worker.wait(timeout=30)
+        reap(worker)
 
 
 def test_missed_pings_detect_a_frozen_worker_we_did_not_launch(
     target_dir: Path, ipc_addr: str
 ) -> None:
-    """SIGSTOP: the process lives but answers nothing; pings find out."""
+    """SIGSTOP: the process lives but answers nothing; pings find out (3 pings 0.2 s apart: about
+    0.8 s here; the limit is well over 10 times that and under the ping's own 30 s timeout)."""
     from scheduler_client.worker_client import WorkerClient
 
     worker = start_worker(target_dir, ipc_addr)
@@ -282,11 +285,10 @@ def test_missed_pings_detect_a_frozen_worker_we_did_not_launch(
         t0 = time.monotonic()
         with pytest.raises(WorkerDied, match="missed 3 pings"):
             client.ping(timeout_s=30)
-        assert time.monotonic() - t0 < 5
+        assert time.monotonic() - t0 < 15
     finally:
-        os.kill(worker.pid, signal.SIGKILL)
-        worker.wait(timeout=30)
         client.close()
+        reap(worker)  # SIGKILL works on a stopped process
 
 
 EBNF = 'root ::= "ab" digits "!"\ndigits ::= [0-9] [0-9] [0-9]?'
@@ -353,7 +355,7 @@ def test_kill_9_mid_run_restarts_the_worker_and_replays_identically(
         t0 = time.monotonic()
         e.step()  # notices the death, relaunches, requeues
         assert e.num_worker_restarts == 1 and e.proc.pid != old
-        assert time.monotonic() - t0 < 30
+        assert time.monotonic() - t0 < 120  # a fresh worker's start: about 10 s here, under load
         e.run_until_done()
         assert [(r.output_ids, r.text) for r in reqs] == want
         assert all(r.error is None for r in reqs)

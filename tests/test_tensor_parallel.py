@@ -13,7 +13,6 @@ import torch
 
 from tests.driver import Req, run
 from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_model
-from tests.procs import free_port
 from worker.drafters.base import Drafter, NoDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.model_executor import ModelExecutor
@@ -41,13 +40,11 @@ def generate(model: torch.nn.Module, drafter: str) -> dict[str, list[int]]:
     return run(runner, requests(k))
 
 
-def rank_main(rank: int, world: int, port: int, arch: str, drafter: str, out: Any) -> None:
+def rank_main(rank: int, world: int, init: str, arch: str, drafter: str, out: Any) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
     try:
         model = tiny_model(arch, seed=71)  # the same seed: the same full weights on every rank
         kv_heads = shard_model(model, rank, world)
@@ -62,18 +59,28 @@ def rank_main(rank: int, world: int, port: int, arch: str, drafter: str, out: An
 
 @pytest.mark.parametrize("drafter", ["none", "ngram"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_tp2_with_gloo_equals_tp1(arch: str, drafter: str) -> None:
+def test_tp2_with_gloo_equals_tp1(arch: str, drafter: str, tmp_path: Path) -> None:
     single = generate(tiny_model(arch, seed=71), drafter)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, arch, drafter, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = dict(out.get(timeout=240) for _ in procs)
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
+    init = f"file://{tmp_path / 'store'}"  # a file store: no TCP port to pick and race for
+    procs = [ctx.Process(target=rank_main, args=(r, 2, init, arch, drafter, out)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=240) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        # a rank that hangs (its peer died in a collective) is stopped, not left behind
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            if p.pid is not None:
+                p.join(timeout=30)
+        out.close()
+        out.join_thread()
     assert results[0] == results[1] == single
     ref = reference_copy(tiny_model(arch, seed=71))
     for r in requests(0):

@@ -12,8 +12,9 @@ import numpy as np
 import pytest
 import zmq
 
-from protocol import Ping, Pong, ProtocolError, Shutdown, TransportConfig, bind_router
+from protocol import Codec, Ping, Pong, ProtocolError, Shutdown, TransportConfig, bind_router
 from protocol.transport import Channel, connect_dealer, validate_address
+from tests.procs import reap
 from tests.test_protocol import assert_same
 from tests.wire_samples import all_messages, draft_ids
 
@@ -59,7 +60,7 @@ def test_every_message_crosses_processes(router: Channel, ipc_addr: str) -> None
         router.send(Shutdown(reason="done"), peer)
         assert proc.wait(timeout=30) == 0
     finally:
-        proc.kill()
+        reap(proc)
 
 
 def test_ten_thousand_messages_none_lost_or_reordered(router: Channel, ipc_addr: str) -> None:
@@ -81,7 +82,7 @@ def test_ten_thousand_messages_none_lost_or_reordered(router: Channel, ipc_addr:
         router.send(Shutdown(), peer)
         assert proc.wait(timeout=30) == 0
     finally:
-        proc.kill()
+        reap(proc)
 
 
 def test_receive_times_out_instead_of_blocking(router: Channel) -> None:
@@ -114,12 +115,19 @@ def test_garbage_from_a_peer_is_a_typed_error(router: Channel, ipc_addr: str) ->
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(ipc_addr)
     try:
+        # a version header around a string where the message should be
         raw.send_multipart([b"\x93\x01\x00\xa3bad"])
-        with pytest.raises(ProtocolError):
+        with pytest.raises(ProtocolError, match="Expected `array`, got `str`") as info:
             router.recv(timeout_ms=5_000)
-        raw.send_multipart([b"\xc1"])
-        with pytest.raises(ProtocolError):
+        assert info.value.code == "bad_field"
+        raw.send_multipart([b"\xc1"])  # not msgpack: 0xc1 is never used
+        with pytest.raises(ProtocolError, match="invalid opcode") as info:
             router.recv(timeout_ms=5_000)
+        assert info.value.code == "truncated_frame"
+        # the socket still works: a good message after the bad ones arrives intact
+        raw.send_multipart([bytes(f) for f in Codec().encode(Ping(seq=7))])
+        got = router.recv(timeout_ms=5_000)
+        assert got is not None and got[1] == Ping(seq=7)
     finally:
         raw.close()
         ctx.term()

@@ -28,7 +28,7 @@ class WorkerConfig:
     batch_invariant: str | None = None  # None: "pad" on CUDA, "off" on CPU
     log_level: str = "INFO"
     log_format: str = "text"
-    metrics_port: int = 0  # 0: no Prometheus endpoint
+    metrics_port: int = 0  # 0: no Prometheus endpoint; -1: any free port (logged)
     peer_timeout_s: float = 60.0
     curve_secret: str | None = None
     curve_authorized: str | None = None
@@ -36,7 +36,7 @@ class WorkerConfig:
     eagle_head: str | None = None
     tensor_parallel_size: int = 1
     tp_rank: int = 0  # set by rank 0 for the ranks it launches
-    tp_init: str | None = None  # tcp://HOST:PORT of the rank group (set by rank 0)
+    tp_init: str | None = None  # the rank group's init method, file://PATH (set by rank 0)
     enforce_eager: bool = False
     enable_torch_compile: bool = False
 
@@ -66,8 +66,8 @@ class WorkerConfig:
             raise ValueError("--dtype must be float32, bfloat16 or float16")
         if self.peer_timeout_s <= 0:
             raise ValueError("--peer-timeout must be positive")
-        if not 0 <= self.metrics_port < 65536:
-            raise ValueError("--metrics-port must be 0 (off) or a TCP port")
+        if not -1 <= self.metrics_port < 65536:
+            raise ValueError("--metrics-port must be 0 (off), -1 (any free port) or a TCP port")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
         if self.batch_invariant not in (None, "off", "pad", "pad-fp32"):
@@ -190,7 +190,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "--metrics-port",
         type=int,
         default=d.metrics_port,
-        help="serve Prometheus metrics on this port (0: off)",
+        help="serve Prometheus metrics on this port (0: off; -1: any free port, logged)",
     )
     ap.add_argument(
         "--peer-timeout",

@@ -10,9 +10,9 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -51,6 +51,7 @@ from worker.tp_group import BroadcastRunner, follow
 log = logging.getLogger("specd.worker")
 
 EXIT_OK, EXIT_FATAL, EXIT_CONFIG, EXIT_LOAD = 0, 1, 2, 3
+GOODBYE_LINGER_MS = 2_000  # the longest a stopping worker waits for its last message to leave
 
 
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
@@ -324,11 +325,14 @@ class WorkerLoop:
             log.log(level, "could not answer %r: %s", identity, e)
 
 
-def start_tp_group(cfg: WorkerConfig, argv: list[str]) -> list[subprocess.Popen[bytes]]:
-    """Rank 0: launch ranks 1..N-1 (this process's flags plus their rank) and join the group."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        init = f"tcp://127.0.0.1:{s.getsockname()[1]}"
+def start_tp_group(
+    cfg: WorkerConfig, argv: list[str], store_dir: str
+) -> list[subprocess.Popen[bytes]]:
+    """Rank 0: launch ranks 1..N-1 (this process's flags plus their rank) and join the group.
+
+    The ranks meet through a file store in ``store_dir`` (rank 0 removes it when it stops): no TCP
+    port is picked and released for another process to take in between."""
+    init = f"file://{os.path.join(store_dir, 'tp-store')}"
     procs = [
         subprocess.Popen(
             [
@@ -392,9 +396,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     ranks: list[subprocess.Popen[bytes]] = []
     runner: ModelRunner | BroadcastRunner | None = None
+    store_dir = None  # the rank group's file store (tensor parallelism only)
     try:
         if cfg.tensor_parallel_size > 1:
-            ranks = start_tp_group(cfg, argv)
+            store_dir = tempfile.TemporaryDirectory(prefix="specd-tp-")
+            ranks = start_tp_group(cfg, argv, store_dir.name)
         try:
             runner, ready = build_runner(cfg)
         except (OSError, ValueError) as e:
@@ -404,8 +410,8 @@ def main(argv: list[str] | None = None) -> int:
             runner = BroadcastRunner(runner, runner.device)  # type: ignore[assignment]
         metrics = WorkerMetrics()
         if cfg.metrics_port:
-            metrics.serve(cfg.metrics_port)
-            log.info("Prometheus metrics on :%d/metrics", cfg.metrics_port)
+            metrics_port = metrics.serve(cfg.metrics_port)
+            log.info("Prometheus metrics on :%d/metrics", metrics_port)
         loop = WorkerLoop(
             chan,
             runner,
@@ -421,7 +427,8 @@ def main(argv: list[str] | None = None) -> int:
 
         signal.signal(signal.SIGTERM, stop)
         signal.signal(signal.SIGINT, stop)
-        log.info("serving on %s", cfg.listen)
+        # the bound endpoint: for tcp://HOST:0 the port the system picked
+        log.info("serving on %s", chan.sock.getsockopt_string(zmq.LAST_ENDPOINT))
         try:
             code = loop.serve()
             if loop.stopping and loop.peer is not None:
@@ -442,10 +449,14 @@ def main(argv: list[str] | None = None) -> int:
                 loop.reply(loop.peer, WorkerError(code="fatal", message=repr(e), fatal=True))
             return EXIT_FATAL
     finally:
-        chan.close()
+        # NOTE: the goodbye (shutting_down or fatal) was only queued; with the configured LINGER 0
+        # the close could drop it, and the scheduler would see a bare exit instead of the reason.
+        chan.close(linger_ms=GOODBYE_LINGER_MS)
         ctx.term()
         if ranks:
             stop_tp_group(runner, ranks)
+        if store_dir is not None:
+            store_dir.cleanup()
 
 
 def stop_tp_group(
@@ -461,6 +472,7 @@ def stop_tp_group(
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
+            proc.wait(timeout=30)
     if dist.is_initialized():
         dist.destroy_process_group()
 

@@ -45,8 +45,10 @@ class WorkerMetrics:
             "specd_worker_errors_total", "WorkerErrors sent, by code", ["code"], registry=r
         )
 
-    def serve(self, port: int) -> None:
-        start_http_server(port, registry=self.registry)
+    def serve(self, port: int) -> int:
+        """Serve ``/metrics`` on ``port`` (-1: any free port); returns the port it bound."""
+        server, _thread = start_http_server(max(port, 0), registry=self.registry)
+        return int(server.server_port)
 
     def record_step(self, out: ModelRunnerOutput, seconds: float, running: int) -> None:
         self.steps.inc()
