@@ -1,0 +1,342 @@
+"""Drafts that no longer fit fail closed: every way a ``DraftTokenIds`` can be stale (wrong step,
+committed length off by one either way, a request that has finished, a request replayed after a
+worker death) leaves the request with no drafts (width 0 next step), its grammar row at the
+committed state (never allow-all), and the stale message counted. Overlap mode's valid-prefix cap
+keeps a draft the scheduler never validated from being accepted.
+
+A real ``Scheduler`` with the real llguidance grammar over the tiny byte-level tokenizer, fed
+hand-built protocol messages; the cap test runs the worker's ``ModelRunner`` in-process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import numpy as np
+import pytest
+import torch
+
+from protocol.messages import (
+    DraftTokenIds,
+    ModelRunnerOutput,
+    SamplingParams,
+    SchedulerOutput,
+    StepBitmask,
+)
+from scheduler_client.grammar import GrammarBackend, StructuredSpec, make_backend
+from scheduler_client.request import Request, Status
+from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
+from scheduler_client.tokenizer import TokenizerInfo
+from tests.models import (
+    BYTE_MODEL_SEED,
+    BYTE_VOCAB,
+    EOS_ID,
+    greedy_reference,
+    reference_copy,
+    tiny_model,
+)
+from worker.drafters.base import Drafter, Proposal
+from worker.model_executor import ModelExecutor
+from worker.requests import RequestStates
+from worker.runner import ModelRunner
+
+K = 4
+WORDS = (BYTE_VOCAB + 31) // 32
+LIMITS = WorkerLimits(
+    vocab_size=BYTE_VOCAB,
+    eos_token_ids=(EOS_ID,),
+    max_model_len=128,
+    max_num_speculative_tokens=K,
+    max_num_seqs=4,
+)
+LOWER = StructuredSpec("regex", "[a-z]{30}")  # any lowercase draft is valid
+
+
+@pytest.fixture(scope="module")
+def tok(target_dir: Path) -> TokenizerInfo:
+    return TokenizerInfo(str(target_dir))
+
+
+@pytest.fixture(scope="module")
+def grammar(tok: TokenizerInfo) -> GrammarBackend:
+    return make_backend("llguidance", tok.json_text, BYTE_VOCAB, (EOS_ID,))
+
+
+def scheduler(tok: TokenizerInfo, grammar: GrammarBackend, *, overlap: bool = False) -> Scheduler:
+    config = SchedulerConfig(adaptive_speculation=False, async_scheduling=overlap)
+    return Scheduler(config, LIMITS, tok, grammar)
+
+
+def request(
+    tok: TokenizerInfo, req_id: str, spec: StructuredSpec | None, max_tokens: int = 20
+) -> Request:
+    return Request(
+        req_id, tok.encode("ff"), SamplingParams(max_tokens=max_tokens), K, structured=spec
+    )
+
+
+def output(step_id: int, sampled: dict[str, list[int]]) -> ModelRunnerOutput:
+    """Each request sampled ``tokens`` (no drafts verified)."""
+    return ModelRunnerOutput(
+        step_id=step_id,
+        req_ids=list(sampled),
+        num_sampled=np.array([len(t) for t in sampled.values()], np.int32),
+        sampled_token_ids=np.array([t for ts in sampled.values() for t in ts], np.int32),
+        num_draft_tokens=np.zeros(len(sampled), np.int32),
+        num_accepted=np.array([len(t) - 1 for t in sampled.values()], np.int32),
+    )
+
+
+def drafts(step_id: int, per_req: dict[str, tuple[list[int], int]]) -> DraftTokenIds:
+    """{req_id: (draft ids, committed length the drafts extend)}."""
+    return DraftTokenIds(
+        step_id=step_id,
+        req_ids=list(per_req),
+        num_draft_tokens=np.array([len(d) for d, _ in per_req.values()], np.int32),
+        draft_token_ids=np.array([t for d, _ in per_req.values() for t in d], np.int32),
+        num_committed_tokens=np.array([n for _, n in per_req.values()], np.int32),
+    )
+
+
+def committed_row(grammar: GrammarBackend, spec: StructuredSpec, tokens: list[int]) -> np.ndarray:
+    """The grammar row [1, WORDS] after ``tokens``, from a fresh matcher."""
+    m = grammar.matcher(spec)
+    for t in tokens:
+        assert m.accept(t)
+    row = np.empty((1, WORDS), np.int32)
+    m.fill_rows(row, 0, [])
+    return row
+
+
+def rows_of(out: SchedulerOutput, req_id: str) -> np.ndarray:
+    k = out.structured_req_ids.index(req_id)
+    assert out.cu_bitmask_rows is not None and out.grammar_bitmask is not None
+    return out.grammar_bitmask[out.cu_bitmask_rows[k] : out.cu_bitmask_rows[k + 1]]
+
+
+def width_of(out: SchedulerOutput, req_id: str) -> int:
+    return int(out.num_draft_tokens[out.req_ids.index(req_id)])
+
+
+def first_step(s: Scheduler, tok: TokenizerInfo) -> tuple[int, dict[str, int]]:
+    """A structured request "s" and a plain one "p": prefill, one token each committed. Returns
+    the step done and each request's committed length."""
+    s.add(request(tok, "s", LOWER))
+    s.add(request(tok, "p", None))
+    s0 = s.schedule()
+    assert s0 is not None and s0.req_ids == ["s", "p"]
+    s.update(output(0, {"s": tok.encode("a"), "p": tok.encode("Z")}))
+    return 0, {r: s.requests[r].num_tokens for r in ("s", "p")}
+
+
+BCDE = "bcde"
+
+
+def test_fresh_drafts_are_taken(tok: TokenizerInfo, grammar: GrammarBackend) -> None:
+    """The control: drafts for the step just done, at the committed length, are verified next
+    step, with one grammar row per draft position."""
+    s = scheduler(tok, grammar)
+    step, n = first_step(s, tok)
+    s.take_drafts(drafts(step, {"s": (tok.encode(BCDE), n["s"]), "p": ([-1] * K, n["p"])}))
+    out = s.schedule()
+    assert out is not None
+    assert width_of(out, "s") == K and width_of(out, "p") == K
+    assert len(rows_of(out, "s")) == K + 1
+    assert s.requests["s"].metrics.num_stale == 0
+
+
+STALE = {
+    "step-behind": (-1, 0),
+    "step-ahead": (+1, 0),
+    "length-short": (0, -1),
+    "length-long": (0, +1),
+}
+
+
+@pytest.mark.parametrize("kind", list(STALE))
+def test_stale_drafts_fail_closed(tok: TokenizerInfo, grammar: GrammarBackend, kind: str) -> None:
+    ds, dn = STALE[kind]
+    s = scheduler(tok, grammar)
+    step, n = first_step(s, tok)
+    s.take_drafts(
+        drafts(step + ds, {"s": (tok.encode(BCDE), n["s"] + dn), "p": ([-1] * K, n["p"] + dn)})
+    )
+    for r in ("s", "p"):
+        req = s.requests[r]
+        assert len(req.draft_ids) == 0 and req.metrics.num_stale == 1, (r, req.draft_ids)
+    out = s.schedule()
+    assert out is not None
+    assert width_of(out, "s") == 0 and width_of(out, "p") == 0
+    assert len(out.draft_token_ids) == 0
+    row = rows_of(out, "s")
+    assert row.shape == (1, WORDS)
+    assert not (row == -1).all(), "allow-all row for a structured request"
+    np.testing.assert_array_equal(row, committed_row(grammar, LOWER, tok.encode("a")))
+
+
+@pytest.mark.parametrize("kind", list(STALE))
+def test_stale_drafts_in_overlap_mode_defer_zero_valid_drafts(
+    tok: TokenizerInfo, grammar: GrammarBackend, kind: str
+) -> None:
+    """Overlap: the step after is already sent with placeholder widths; its deferred rows say 0
+    valid drafts (the worker accepts none) and hold the committed grammar state."""
+    ds, dn = STALE[kind]
+    s = scheduler(tok, grammar, overlap=True)
+    s.add(request(tok, "s", LOWER))
+    s0, s1 = s.schedule(), s.schedule()
+    assert s0 is not None and s1 is not None and s1.deferred_req_ids == ["s"]
+    s.update(output(0, {"s": tok.encode("a")}))
+    n = s.requests["s"].num_tokens
+    fresh = s.deferred_bitmask(s1)  # before any drafts arrive: nothing validated
+    assert fresh.num_valid_drafts.tolist() == [0]
+    s.take_drafts(drafts(0 + ds, {"s": (tok.encode(BCDE), n + dn)}))
+    assert s.requests["s"].metrics.num_stale == 1 and s.requests["s"].last_drafts is None
+    rows = s.deferred_bitmask(s1)
+    assert rows.num_valid_drafts.tolist() == [0] and rows.cu_bitmask_rows.tolist() == [0, 1]
+    assert not (rows.grammar_bitmask == -1).all()
+    np.testing.assert_array_equal(
+        rows.grammar_bitmask, committed_row(grammar, LOWER, tok.encode("a"))
+    )
+    # the control: the same drafts, fresh, are all valid
+    s.take_drafts(drafts(0, {"s": (tok.encode(BCDE), n)}))
+    assert s.deferred_bitmask(s1).num_valid_drafts.tolist() == [K]
+
+
+@pytest.mark.parametrize("how", ["abort", "length", "released"])
+def test_drafts_for_a_finished_request_are_ignored(
+    tok: TokenizerInfo, grammar: GrammarBackend, how: str
+) -> None:
+    """The worker proposes drafts for a request before it hears the request ended: they are
+    ignored (no crash), and the request never comes back."""
+    s = scheduler(tok, grammar)
+    s.add(request(tok, "s", LOWER, max_tokens=1 if how == "length" else 20))
+    s.add(request(tok, "p", None))
+    assert s.schedule() is not None
+    s.update(output(0, {"s": tok.encode("a"), "p": tok.encode("Z")}))
+    n = s.requests["s"].num_tokens
+    gone = s.requests["s"]
+    if how != "length":
+        s.abort("s")
+    assert gone.finished
+    if how == "released":
+        s.release("s")
+        assert "s" not in s.requests
+    s.take_drafts(
+        drafts(0, {"s": (tok.encode(BCDE), n), "p": ([-1] * 2, s.requests["p"].num_tokens)})
+    )
+    assert gone.finished and len(gone.draft_ids) == 0 and gone.metrics.num_stale == 0
+    assert gone not in s.running and gone not in s.waiting
+    assert len(s.requests["p"].draft_ids) == 2  # the live request's drafts are taken
+    out = s.schedule()
+    assert out is not None and out.req_ids == ["p"] and out.structured_req_ids == []
+    assert out.aborted_req_ids + out.finished_req_ids == ["s"]
+    s.update(output(1, {"p": tok.encode("YZX")}))
+    s.take_drafts(drafts(1, {"s": (tok.encode(BCDE), n), "p": ([-1] * 2, n + 3)}))
+    again = s.schedule()
+    assert again is not None and again.req_ids == ["p"]
+    assert not again.aborted_req_ids and not again.finished_req_ids
+    assert gone.status is Status.FINISHED
+
+
+def test_drafts_from_before_a_worker_death_are_not_replayed(
+    tok: TokenizerInfo, grammar: GrammarBackend
+) -> None:
+    """Step 1 was in flight when the worker died; the engine requeues every request and marks
+    step 1 done. Two messages of the dead worker must not feed the replay: its drafts after step
+    0 (step id stale, length still matching, since step 1 committed nothing) and its drafts after
+    step 1 (step id matching, length past what was committed)."""
+    s = scheduler(tok, grammar)
+    step, n = first_step(s, tok)
+    before = drafts(step, {"s": (tok.encode(BCDE), n["s"]), "p": ([-1] * K, n["p"])})
+    s.take_drafts(before)
+    s1 = s.schedule()
+    assert s1 is not None and width_of(s1, "s") == K  # sent; its output never arrives
+    s.requeue_all()  # what Engine._recover does once the new worker shook hands
+    assert s.last_done_step == 1
+    after = drafts(1, {"s": (tok.encode("fghi"), n["s"] + 2), "p": ([-1] * K, n["p"] + 2)})
+    for msg in (before, after):
+        s.take_drafts(msg)
+    for r in ("s", "p"):
+        req = s.requests[r]
+        assert len(req.draft_ids) == 0 and req.metrics.num_stale == 2, (r, req.draft_ids)
+        assert req.grammar_drafts is None and req.last_drafts is None
+    replay = s.schedule()
+    assert replay is not None and [r.req_id for r in replay.new_requests] == ["s", "p"]
+    assert replay.new_requests[0].prompt_token_ids.tolist() == tok.encode("ffa")
+    assert replay.num_draft_tokens.tolist() == [0, 0] and len(replay.draft_token_ids) == 0
+    np.testing.assert_array_equal(
+        rows_of(replay, "s"), committed_row(grammar, LOWER, tok.encode("a"))
+    )
+
+
+class GreedyDrafter(Drafter):
+    """Proposes the target's own greedy continuation of each request's committed tokens: the
+    target would accept every draft unless a grammar row or a cap stops it."""
+
+    name = "greedy"
+
+    def __init__(self, ref: torch.nn.Module) -> None:
+        self.ref = ref
+
+    def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
+        out = torch.zeros((len(slots), K), dtype=torch.long)
+        for j, (slot, w) in enumerate(zip(slots, widths, strict=True)):
+            out[j, :w] = torch.tensor(greedy_reference(self.ref, states.tokens(slot).tolist(), w))
+        return Proposal(out, list(widths))
+
+
+# After the prompt "ff" the byte target's greedy text is "pBSBB" (asserted below). After "p" the
+# grammar allows "B" or "S"; after "pB" only lowercase: the draft "S" at position 1 is invalid
+# there, yet the row of position 0 (the committed state) allows it.
+FORK = StructuredSpec("regex", "p(B[a-z]{0,8}|S[A-Z]{0,8})")
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["fresh", "stale-length"])
+def test_overlap_never_accepts_a_draft_past_the_valid_prefix(
+    tok: TokenizerInfo, grammar: GrammarBackend, fresh: bool
+) -> None:
+    """Overlap mode, the worker verifying its own drafts "BSBB" (all the target's choice) against
+    deferred rows. Fresh drafts: 1 valid ("B"), and "S" is refused by its row. Drafts the
+    scheduler discarded (committed length off by one): 0 valid, and the worker's cap keeps it
+    from accepting "B", "S", ... under the committed-state row that every position falls back to."""
+    model = tiny_model("llama", BYTE_MODEL_SEED, vocab=BYTE_VOCAB)
+    ref = reference_copy(model)
+    prompt = tok.encode("ff")
+    assert tok.decode(greedy_reference(ref, prompt, 5)) == "pBSBB"  # the premise
+    runner = ModelRunner(
+        ModelExecutor(model, max_num_seqs=2, max_model_len=64, decode_width=1 + K),
+        GreedyDrafter(ref),
+        max_num_seqs=2,
+        max_model_len=64,
+        max_num_draft_tokens=K,
+    )
+    s = scheduler(tok, grammar, overlap=True)
+    req = s.add(Request("s", prompt, SamplingParams(max_tokens=6), K, structured=FORK))
+    s0, s1 = s.schedule(), s.schedule()
+    assert s0 is not None and s1 is not None and s1.deferred_req_ids == ["s"]
+    out0, _ = runner.execute(s0)
+    proposed = runner.take_draft_tokens()
+    assert proposed is not None and tok.decode(proposed.draft_token_ids.tolist()) == "BSBB"
+    s.update(out0)
+    assert req.text == "p"
+    if not fresh:
+        proposed = msgspec.structs.replace(
+            proposed, num_committed_tokens=proposed.num_committed_tokens + 1
+        )
+    s.take_drafts(proposed)
+    sent = []
+
+    def rows(step_id: int) -> StepBitmask:
+        sent.append(s.deferred_bitmask(s1))
+        return sent[-1]
+
+    out1, rejected = runner.execute(s1, rows)
+    assert not rejected
+    valid = 1 if fresh else 0
+    assert sent[0].num_valid_drafts.tolist() == [valid]
+    assert int(out1.num_draft_tokens[0]) == K  # the worker verified all four
+    assert int(out1.num_accepted[0]) == valid
+    s.update(out1)
+    assert req.error is None, req.error
+    assert req.text[:2] == "pB" and len(req.text) == 2 + valid
+    assert req.metrics.num_stale == (0 if fresh else 1)
