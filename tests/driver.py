@@ -23,6 +23,9 @@ class Req:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk: int = 0  # prefill chunk size (0: whole prompt)
     stop_ids: tuple[int, ...] = ()  # the output ends at (and keeps) the first of these
+    # the most drafts verified at the n-th decode step is verify_caps[n % len] (as the real
+    # scheduler's tuner or a grammar may verify fewer than the worker proposed); () = no cap
+    verify_caps: tuple[int, ...] = ()
     out: list[int] = field(default_factory=list)
     computed: int = 0
     drafts: int = 0  # width the worker proposed for the next step
@@ -73,6 +76,8 @@ def run(
                 w = 0
             else:
                 w = min(r.drafts, cap)
+                if r.verify_caps:
+                    w = min(w, r.verify_caps[r.sample_steps % len(r.verify_caps)])
                 n = total - r.computed + w
             ids.append(r.req_id)
             counts.append(n)

@@ -10,12 +10,25 @@ target-only greedy decoding (fp32, CPU).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
+from protocol.messages import SamplingParams
+from scheduler_client import Engine
 from tests.driver import Req, run
-from tests.models import VOCAB, greedy_reference, near_copy, reference_copy, tiny_model
+from tests.models import (
+    BYTE_MODEL_SEED,
+    BYTE_VOCAB,
+    VOCAB,
+    greedy_reference,
+    near_copy,
+    reference_copy,
+    tiny_model,
+)
 from worker.drafters.base import Drafter, Proposal
 from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.ngram import NgramDrafter
@@ -42,6 +55,8 @@ def checked_draft_model(draft: torch.nn.Module, max_num_seqs: int) -> DraftModel
         proposal = propose(states, slots, widths)
         token_ids = proposal.token_ids.cpu().numpy()  # [B, K]
         for i, (slot, w) in enumerate(zip(slots, widths, strict=True)):
+            if states.sampling[slot].temperature > 0:  # type: ignore[union-attr]
+                continue  # sampled drafts: a draw from q, not the argmax
             committed = states.tokens(slot).tolist()
             want = greedy_reference(ref, committed, w)
             assert token_ids[i, :w].tolist() == want, (
@@ -65,7 +80,9 @@ def make_runner(target: torch.nn.Module, drafter: Drafter, max_num_seqs: int) ->
 
 def requests(batch: int, seed: int) -> list[Req]:
     """Prompts that repeat a random phrase (n-gram hits); at batch > 1 mixed k (one request
-    without drafts), staggered arrivals and one chunked prefill."""
+    without drafts), staggered arrivals and one chunked prefill. At batch 8 the last request
+    samples (seeded), so the greedy rows of its steps are verified by ``verify``'s greedy branch
+    rather than by ``verify_greedy``."""
     rng = np.random.default_rng(seed)
     reqs = []
     for i in range(batch):
@@ -84,6 +101,9 @@ def requests(batch: int, seed: int) -> list[Req]:
                 chunk=5 if i == 1 else 0,
             )
         )
+    if batch == 8:
+        reqs[-1].k = K
+        reqs[-1].sampling = SamplingParams(temperature=0.8, seed=seed)
     return reqs
 
 
@@ -110,8 +130,87 @@ def test_partial_acceptance_equals_target_greedy(batch: int, arch: str, drafter_
     reqs = requests(batch, seed)
     got = run(runner, reqs)
     for r in reqs:
+        if r.sampling.temperature > 0:
+            assert len(got[r.req_id]) == r.max_tokens
+            continue
         assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id
     accepted, verified = sum(r.accepted for r in reqs), sum(r.verified for r in reqs)
     print(f"accepted {accepted} of {verified}")
     assert 0 < accepted < verified, (accepted, verified)
     assert len(runner.states.free_slots) == runner.states.max_num_seqs
+
+
+def test_verifying_fewer_drafts_than_proposed_stays_lossless() -> None:
+    """The scheduler may verify fewer drafts than the worker proposed (its tuner's width, a
+    grammar cutting them), even none. A bonus token can then equal a draft the draft model was
+    fed but nobody verified, and that draft's keys stay valid in the draft cache: the next
+    proposal must still run the last committed token for its logits."""
+    seed = 731
+    print(f"seed={seed}")
+    target = tiny_model("llama", seed=seed)
+    ref = reference_copy(target)
+    runner = make_runner(
+        target, checked_draft_model(near_copy(target, seed + 1), max_num_seqs=4), max_num_seqs=4
+    )
+    reqs = requests(3, seed)
+    for r, caps in zip(reqs, [(0, 1, 2), (1, 0), (2, 0, 3)], strict=True):
+        r.k, r.verify_caps = K, caps
+    got = run(runner, reqs)
+    for r in reqs:
+        assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id
+    accepted, verified = sum(r.accepted for r in reqs), sum(r.verified for r in reqs)
+    print(f"accepted {accepted} of {verified}")
+    assert 0 < accepted < verified, (accepted, verified)
+
+
+# -- through the two processes: an Engine driving a launched worker ------------------------------
+
+
+@pytest.fixture(scope="module")
+def near_eng(
+    request: pytest.FixtureRequest, target_dir: Path, near_draft_dir: Path
+) -> Iterator[Engine]:
+    from tests.test_scheduler_e2e import engine
+
+    drafter = str(request.param)
+    e = engine(target_dir, drafter, near_draft_dir if drafter == "draft_model" else None)
+    yield e
+    e.close()
+
+
+TWO_PROCESS = [("draft_model", 1), ("draft_model", 8), ("ngram", 8)]
+
+
+@pytest.mark.parametrize(
+    ("near_eng", "batch"),
+    TWO_PROCESS,
+    indirect=["near_eng"],
+    ids=[f"{d}-batch{b}" for d, b in TWO_PROCESS],
+)
+def test_partial_acceptance_through_two_processes(near_eng: Engine, batch: int) -> None:
+    """The scheduler's metrics count drafts accepted and rejected, and the output is still the
+    target's greedy output: the worker's commit of accepted drafts agrees with the scheduler's."""
+    from tests.test_scheduler_e2e import prompts
+
+    ref = reference_copy(tiny_model("llama", BYTE_MODEL_SEED, vocab=BYTE_VOCAB))
+    ps = prompts(batch)
+    reqs = near_eng.generate(
+        [
+            {
+                "prompt": p,
+                "max_tokens": 20,
+                "ignore_eos": True,
+                "num_speculative_tokens": K if batch == 1 else i % 5,
+            }
+            for i, p in enumerate(ps)
+        ]
+    )
+    for r, p in zip(reqs, ps, strict=True):
+        assert r.error is None, r.error
+        assert r.output_ids == greedy_reference(ref, p, 20), r.req_id
+    # a worker that failed and was relaunched replays to the same output: that must not hide it
+    assert near_eng.num_worker_restarts == 0
+    accepted = sum(r.metrics.num_accepted for r in reqs)
+    verified = sum(r.metrics.num_draft_tokens for r in reqs)
+    print(f"accepted {accepted} of {verified}")
+    assert 0 < accepted < verified, (accepted, verified)
