@@ -163,6 +163,37 @@ def test_verifying_fewer_drafts_than_proposed_stays_lossless() -> None:
     assert 0 < accepted < verified, (accepted, verified)
 
 
+def test_drafts_the_scheduler_supplied_roll_the_draft_cache_back() -> None:
+    """Some steps verify the scheduler's own draft ids (as grammar-forced tokens are) instead of
+    the draft model's: the target accepts a run of them that differs from what the draft model
+    was fed, so its cache must drop those fed drafts (the next proposals are checked against
+    the draft's greedy continuation of the committed tokens, computed without a cache)."""
+    seed = 741
+    print(f"seed={seed}")
+    target = tiny_model("llama", seed=seed)
+    ref = reference_copy(target)
+    runner = make_runner(
+        target, checked_draft_model(near_copy(target, seed + 1), max_num_seqs=4), max_num_seqs=4
+    )
+
+    def supplied(tokens: list[int], w: int) -> list[int] | None:
+        if len(tokens) % 3:
+            return None  # the worker's own drafts
+        # the target's next w - 1 tokens, then one it rejects
+        want = greedy_reference(ref, tokens, w)
+        return [*want[:-1], (want[-1] + 1) % VOCAB]
+
+    reqs = requests(3, seed)
+    for r in reqs:
+        r.k, r.supplied_drafts = K, supplied
+    got = run(runner, reqs)
+    for r in reqs:
+        assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id
+    accepted, verified = sum(r.accepted for r in reqs), sum(r.verified for r in reqs)
+    print(f"accepted {accepted} of {verified}")
+    assert 0 < accepted < verified, (accepted, verified)
+
+
 # -- through the two processes: an Engine driving a launched worker ------------------------------
 
 
