@@ -42,6 +42,15 @@ def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_byte_model("llama", BYTE_MODEL_SEED + 1, tmp_path_factory.mktemp("draft"), layers=1)
 
 
+@pytest.fixture(scope="module")
+def near_draft_dir(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> Path:
+    """A draft derived from the target (its weights plus seeded noise): greedy acceptance is
+    partial, unlike the unrelated ``draft_dir``."""
+    from tests.models import BYTE_MODEL_SEED, save_near_draft
+
+    return save_near_draft(target_dir, BYTE_MODEL_SEED + 3, tmp_path_factory.mktemp("near"))
+
+
 @pytest.fixture
 def ipc_addr() -> Iterator[str]:
     """A fresh ipc:// address in a private temporary folder."""

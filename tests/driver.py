@@ -4,6 +4,7 @@ feeds them to a ``ModelRunner`` and commits what comes back, as the real schedul
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,12 @@ class Req:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     chunk: int = 0  # prefill chunk size (0: whole prompt)
     stop_ids: tuple[int, ...] = ()  # the output ends at (and keeps) the first of these
+    # the most drafts verified at the n-th decode step is verify_caps[n % len] (as the real
+    # scheduler's tuner or a grammar may verify fewer than the worker proposed); () = no cap
+    verify_caps: tuple[int, ...] = ()
+    # (committed tokens, width) -> the scheduler's own draft ids for this step (as grammar-forced
+    # tokens are), or None for the worker's drafts (-1 placeholders); None: always the worker's
+    supplied_drafts: Callable[[list[int], int], list[int] | None] | None = None
     out: list[int] = field(default_factory=list)
     computed: int = 0
     drafts: int = 0  # width the worker proposed for the next step
@@ -57,6 +64,7 @@ def run(
             running[r.req_id] = r
             new.append(NewRequest(r.req_id, np.array(r.prompt, np.int32), r.sampling, r.k))
         ids, counts, widths = [], [], []
+        draft_ids: list[int] = []
         cap = 1 << 30
         if tuner is not None:
             deciding = [r for r in running.values() if r.computed >= len(r.prompt)]
@@ -73,17 +81,22 @@ def run(
                 w = 0
             else:
                 w = min(r.drafts, cap)
+                if r.verify_caps:
+                    w = min(w, r.verify_caps[r.sample_steps % len(r.verify_caps)])
                 n = total - r.computed + w
+            supplied = r.supplied_drafts(r.prompt + r.out, w) if r.supplied_drafts and w else None
+            assert supplied is None or len(supplied) == w
             ids.append(r.req_id)
             counts.append(n)
             widths.append(w)
+            draft_ids.extend([-1] * w if supplied is None else supplied)
         sched = SchedulerOutput(
             step_id=step,
             new_requests=new,
             req_ids=ids,
             num_scheduled_tokens=np.array(counts, np.int32),
             num_draft_tokens=np.array(widths, np.int32),
-            draft_token_ids=np.full(sum(widths), -1, np.int32),
+            draft_token_ids=np.array(draft_ids, np.int32),
             finished_req_ids=finished,
             aborted_req_ids=[],
             structured_req_ids=[],

@@ -112,3 +112,28 @@ def save_byte_model(arch: str, seed: int, directory: Path, *, layers: int = 2) -
         )
     )
     return directory
+
+
+NEAR_DRAFT_NOISE = 0.1  # greedy acceptance of about 30-70% on these tiny models
+
+
+def near_copy(
+    model: torch.nn.Module, seed: int, *, noise: float = NEAR_DRAFT_NOISE
+) -> torch.nn.Module:
+    """A draft derived from ``model``: its weights plus seeded Gaussian noise of ``noise`` times
+    each tensor's standard deviation. Its greedy drafts agree with the target often but not
+    always, so verification accepts some drafts and rejects others (partial acceptance); an
+    unrelated random draft is almost always rejected at its first draft."""
+    draft = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype) * (noise * float(p.std())))
+    return draft.eval()
+
+
+def save_near_draft(target: Path, seed: int, directory: Path) -> Path:
+    """``near_copy`` of the saved model at ``target``, saved for a launched worker's --draft-model."""
+    model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
+    near_copy(model, seed).save_pretrained(str(directory))
+    return directory

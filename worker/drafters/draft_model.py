@@ -1,8 +1,8 @@
 """A separate, smaller causal LM as the drafter, with its own KV cache.
 
 Per request the draft cache holds a valid prefix of the committed sequence. Each ``propose`` first
-catches up (one ragged forward over every committed token the draft has not seen, which includes
-the new bonus token), then runs k - 1 single-token steps. Drafts the target rejected are rolled back
+catches up (one ragged forward over every committed token the draft has not seen, and always the
+last one, whose logits give the first draft), then runs k - 1 single-token steps. Drafts the target rejected are rolled back
 by comparing the remembered drafts with the newly committed tokens: no coupling to the sampler.
 """
 
@@ -65,7 +65,10 @@ class DraftModelDrafter(Drafter):
             slot = slots[i]
             self._roll_back(states, slot)
             tokens = states.tokens(slot)
-            start = int(self.num_computed[slot])
+            # The last committed token always runs: its logits give draft 0. Its keys may be in
+            # the cache already (a bonus token equal to a fed draft the scheduler did not
+            # verify); running it again rewrites the same values.
+            start = min(int(self.num_computed[slot]), len(tokens) - 1)
             ids.append(tokens[start:])
             starts.append(start)
             counts.append(len(tokens) - start)
