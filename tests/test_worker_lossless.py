@@ -231,6 +231,7 @@ def test_a_refused_step_leaves_nothing_behind() -> None:
 
     for bad, code in [
         (step([0, 2], 2), "width_mismatch"),
+        (step([0, 0], 1), "width_mismatch"),  # fewer rows than positions, too
         (step([0, 5], 1), "bad_step"),
         (step([0, 1], 0), "bad_step"),
         (step([0, 1], 1, width=1), "bad_step"),
