@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from scheduler_client import Engine, EngineConfig, SchedulerConfig
+from scheduler_client.tokenizer import TokenizerInfo
 from tests.models import greedy_reference, reference_copy, save_byte_model, tiny_config
 from worker.byte_tokenizer import EOS_ID
 from worker.dummy_weights import DUMMY_SEED, random_model
@@ -48,6 +49,10 @@ def test_dummy_weights_are_seeded_and_in_the_dtype(tmp_path: Path) -> None:
     assert Path(a.tokenizer_directory, "tokenizer.json").is_file()
     assert Path(a.tokenizer_directory).parent == tmp_path / "cache"
     assert eos_token_ids(a.model) == (EOS_ID,)
+    # every id the model can emit decodes to text: the stream has an event per token
+    tok = TokenizerInfo(a.tokenizer_directory)
+    assert tok.tokenizer.get_vocab_size() == VOCAB
+    assert tok.decode([VOCAB - 1]) == f"<|t{VOCAB - 1}|>"
 
 
 def test_a_tokenizer_beside_the_config_is_kept(tmp_path: Path) -> None:

@@ -150,7 +150,7 @@ def _byte_tokenizer_for(model: PreTrainedModel, cache_root: Path) -> str:
     if model.generation_config is not None:
         model.generation_config.eos_token_id = EOS_ID
     log.info("no tokenizer.json with the model: using the byte-level tokenizer (EOS %d)", EOS_ID)
-    return str(save_byte_tokenizer(cache_root / "byte-tokenizer"))
+    return str(save_byte_tokenizer(cache_root / f"byte-tokenizer-{vocab}", vocab))
 
 
 def eos_token_ids(model: PreTrainedModel) -> tuple[int, ...]:
