@@ -205,20 +205,22 @@ def main() -> None:
     ap.add_argument("--k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="of the Poisson arrivals")
-    ap.add_argument("--no-in-process", action="store_true", help="served rows only")
+    ap.add_argument(
+        "--paths", nargs="+", default=["served", "in-process"], choices=("served", "in-process")
+    )
     ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     bodies = workload(a.num_requests, a.max_tokens)
     print(f"seed {a.seed}; {len(bodies)} requests a row", flush=True)
     rows: list[dict[str, Any]] = []
-    for drafter in a.drafters:
+    for drafter in a.drafters if "served" in a.paths else []:
         if drafter == "eagle" and a.load_format == "dummy":
             print("eagle skipped: its head needs the target it was trained for", flush=True)
             continue
         for mode in a.modes:
             rows += served(a, drafter, mode, [chat_body(w) for w in bodies])
-    if not a.no_in_process:
+    if "in-process" in a.paths:
         rows += in_process(a, bodies)
     print(table(rows))
     if a.json_out:
