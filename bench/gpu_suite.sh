@@ -10,12 +10,16 @@
 # Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
 # have come), runs the GPU tests and the benchmarks named in STAGES, writes full logs under $OUT
 # and prints a short table last.
-#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile
-#           (default: all but eagle and profile)
+#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile serve
+#           (default: all but eagle, profile and serve)
 #   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), SYN_BATCHES ("1 64"), MODES ("pad"),
 #   OVERLAP_BATCHES ("1 8 64"), SYN_TOKENS (64), EAGLE_MINUTES (8),
 #   COMPILE (0; 1: the lossless stage runs with torch.compile'd decoder layers, without the EAGLE
-#   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py)
+#   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py),
+#   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
+#   --load-format dummy), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
+#   SERVE_ARGS (more flags for serve_bench.py). The serve stage needs only the .whl wheels (the
+#   scheduler's HTTP door is the standard library's).
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
@@ -88,5 +92,22 @@ if has eagle && [ -f "$MODEL" ]; then
   echo "== (#7) EAGLE head for SmolLM2: distil on this GPU, then acceptance vs n-gram"
   python3 bench/train_eagle.py --model "$MODEL" --device cuda --out "$OUT/smollm2-eagle" \
     --minutes ${EAGLE_MINUTES:-8} > "$OUT/eagle.log" 2>&1; tail -2 "$OUT/eagle.log"
+fi
+if has serve; then
+  for m in ${SERVE_MODELS:-smollm2 1b 8b}; do
+    if [ "$m" = smollm2 ]; then
+      [ -f "$MODEL" ] || continue
+      src=(--model "$MODEL" --drafters none ngram eagle)
+    else
+      src=(--model bench/configs/llama-$m --load-format dummy --drafters none ngram)
+    fi
+    echo "== (#14) served path vs in-process runner: $m"
+    mkdir -p "$OUT/serve_logs_$m"
+    python3 bench/serve_bench.py "${src[@]}" --device cuda --dtype bfloat16 \
+      --concurrencies ${SERVE_CONC:-1 8 32 64} --rate ${SERVE_RATE:-8} \
+      --num-requests ${SERVE_REQUESTS:-128} --max-tokens ${MAX_TOKENS:-128} ${SERVE_ARGS:-} \
+      --log-dir "$OUT/serve_logs_$m" --json-out "$OUT/serve_$m.json" > "$OUT/serve_$m.log" 2>&1
+    grep "^|" "$OUT/serve_$m.log" || tail -5 "$OUT/serve_$m.log"
+  done
 fi
 echo "== done"

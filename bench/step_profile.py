@@ -27,7 +27,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from bench.synthetic_bench import SIZES, OracleDrafter, random_target
+from bench.synthetic_bench import OracleDrafter, random_target, size_names
 from tests.driver import Req, run
 from worker.drafters.base import NoDrafter
 from worker.model_executor import ModelExecutor
@@ -85,7 +85,7 @@ def prefill_check(model: Any, device: torch.device) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--size", default="smollm2", choices=sorted(SIZES))
+    ap.add_argument("--size", default="smollm2", choices=size_names())
     ap.add_argument("--compile", action="store_true")
     ap.add_argument("--k", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)

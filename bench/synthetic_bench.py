@@ -17,36 +17,26 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoConfig, LlamaConfig, PretrainedConfig
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from scheduler_client.spec_tuner import SpeculationTuner
 from tests.driver import Req, run
-from worker.attention import ATTN_IMPLEMENTATION
 from worker.drafters.base import Drafter, NoDrafter, Proposal
+from worker.dummy_weights import random_model
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
 from worker.runner import ModelRunner
 
-SIZES = {  # Llama-shaped, random weights
-    "1b": dict(
-        hidden_size=2048,
-        intermediate_size=8192,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
-    "8b": dict(
-        hidden_size=4096,
-        intermediate_size=14336,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-    ),
+# The 1B and 8B Llama shapes (Llama 3's layers, a 32000-token vocabulary) live in
+# bench/configs/llama-SIZE/config.json, where `specd-worker --load-format dummy` reads them too.
+CONFIGS = Path(__file__).resolve().parent / "configs"
+SIZES = {  # the smaller Llama shapes
     "smollm2": dict(  # SmolLM2-135M's shape (bench/step_profile.py)
         hidden_size=576,
         intermediate_size=1536,
@@ -107,42 +97,24 @@ class OracleDrafter(Drafter):
         return Proposal(ids, nums)
 
 
-def stable_greedy(model) -> None:
-    """Give the random target a wide argmax margin, so bf16 rounding that differs between batch
-    shapes (a draft-carrying step meets other GEMM kernels than a plain one) cannot flip its
-    greedy choice: embeddings of unit scale dominate the residual stream, and the LM head holds
-    permuted copies of them, so the logit of the next token leads by ~hidden_size; the layers'
-    output projections are scaled down so that 32 random layers cannot outgrow it (at 8B and
-    batch 64 they did: outputs of the draft and no-draft runs differed, acceptance fell to
-    0.2-0.33). The compute per step is unchanged (same shapes, same kernels); without this the
-    oracle's "true" continuation stops matching at batch 64 (acceptance fell to 0.02-0.09 in the
-    first run)."""
-    with torch.no_grad():
-        for name, w in model.named_parameters():
-            if name.endswith(("o_proj.weight", "down_proj.weight")):
-                w.mul_(1e-3)
-        emb = model.get_input_embeddings().weight
-        emb.mul_(1.0 / emb.float().std().item())
-        perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(2))
-        model.get_output_embeddings().weight.copy_(emb[perm.to(emb.device)])
+def size_names() -> list[str]:
+    return sorted(
+        [*SIZES, *(p.parent.name.removeprefix("llama-") for p in CONFIGS.glob("*/config.json"))]
+    )
+
+
+def size_config(size: str) -> PretrainedConfig:
+    """The config of ``size``: bench/configs/llama-SIZE, else a Llama of ``SIZES[size]``."""
+    if (CONFIGS / f"llama-{size}" / "config.json").is_file():
+        return AutoConfig.from_pretrained(CONFIGS / f"llama-{size}")
+    return LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SIZES[size])
 
 
 def random_target(size: str, device: torch.device) -> torch.nn.Module:
-    """A Llama of ``SIZES[size]`` with seeded random weights (bf16 on CUDA, float32 on the CPU),
-    without gradients, its greedy choice made stable (``stable_greedy``)."""
-    cfg = LlamaConfig(vocab_size=32000, max_position_embeddings=4096, **SIZES[size])
+    """A Llama of ``size`` with seeded random weights (bf16 on CUDA, float32 on the CPU), without
+    gradients, its greedy choice made stable: the worker's ``--load-format dummy`` model."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(
-            cfg, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
-        ).eval()
-    # a model from a config wants gradients: without this every captured warm-up kept its
-    # autograd history (all activations and gathered KV) alive, and 8B at batch 64 ran out
-    # of memory while capturing
-    model.requires_grad_(False)
-    stable_greedy(model)
-    return model
+    return random_model(size_config(size), device=device, dtype=dtype)
 
 
 def timed_run(model, drafter, prompts, max_tokens, k, batch, mode, truth=None, tuner=None):

@@ -24,7 +24,9 @@ import msgspec
 import numpy as np
 
 PROTOCOL_MAJOR = 1
-PROTOCOL_MINOR = 1  # 1: overlap scheduling (draft_widths_are_caps, deferred_req_ids, StepBitmask)
+# 1: overlap scheduling (draft_widths_are_caps, deferred_req_ids, StepBitmask)
+# 2: WorkerReady.max_num_batched_tokens
+PROTOCOL_MINOR = 2
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -66,7 +68,9 @@ class SchedulerHello(_Msg, tag="hello", frozen=True):
 
 
 class WorkerReady(_Msg, tag="ready", frozen=True):
-    """The worker's identity and limits, sent once its models are loaded."""
+    """The worker's identity and limits, sent once its models are loaded. The scheduler runs at
+    most ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens per step unless its user
+    sets lower caps; ``max_num_batched_tokens`` 0 (minor < 2) means the worker did not say."""
 
     protocol_major: int
     protocol_minor: int
@@ -79,6 +83,7 @@ class WorkerReady(_Msg, tag="ready", frozen=True):
     kv_capacity_tokens: int
     max_num_seqs: int
     tokenizer_path: str = ""
+    max_num_batched_tokens: int = 0  # minor 2
 
 
 class SchedulerOutput(_Msg, tag="sched", frozen=True):

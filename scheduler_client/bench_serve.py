@@ -82,11 +82,17 @@ def bench_serve(
     }
 
 
-def main_bench_serve(engine: Engine, path: str, rate: float, num: int | None) -> int:
+def load_workload(path: str, num: int | None = None) -> list[dict[str, Any]]:
+    """The JSONL workload (``Engine.add_request`` arguments a line), cycled to ``num`` requests."""
     with open(path) as f:
         workload = [json.loads(line) for line in f if line.strip()]
     if num:
         workload = (workload * (num // max(len(workload), 1) + 1))[:num]
+    return workload
+
+
+def main_bench_serve(engine: Engine, path: str, rate: float, num: int | None) -> int:
+    workload = load_workload(path, num)
     for i, w in enumerate(workload):
         w = dict(w)
         w.setdefault("req_id", f"bench-{i}")

@@ -52,7 +52,9 @@ class EngineConfig:
     num_speculative_tokens: int = 4
     device: str | None = None
     max_model_len: int = 2048
-    worker_max_num_seqs: int = 16
+    # a launched worker's KV slots and tokens per step; None: the worker's defaults
+    worker_max_num_seqs: int | None = None
+    worker_max_num_batched_tokens: int | None = None
     worker_args: tuple[str, ...] = ()
     worker_env: tuple[tuple[str, str], ...] = ()  # extra environment for a launched worker
     tokenizer: str | None = None
@@ -95,6 +97,7 @@ class Engine:
                 max_model_len=ready.max_model_len,
                 max_num_speculative_tokens=ready.max_num_speculative_tokens,
                 max_num_seqs=ready.max_num_seqs,
+                max_num_batched_tokens=ready.max_num_batched_tokens,
             )
             self.scheduler = Scheduler(config.scheduler, limits, self.tokenizer, grammar)
             self.prom = SchedulerMetrics()
@@ -146,12 +149,14 @@ class Engine:
             addr,
             "--max-model-len",
             str(c.max_model_len),
-            "--max-num-seqs",
-            str(c.worker_max_num_seqs),
             "--parent-pid",
             str(os.getpid()),
             *c.worker_args,
         ]
+        if c.worker_max_num_seqs is not None:
+            cmd += ["--max-num-seqs", str(c.worker_max_num_seqs)]
+        if c.worker_max_num_batched_tokens is not None:
+            cmd += ["--max-num-batched-tokens", str(c.worker_max_num_batched_tokens)]
         if c.draft_model:
             cmd += ["--draft-model", c.draft_model]
         if c.eagle_head:
@@ -333,6 +338,12 @@ class Engine:
         ):
             self._fail_all("the replacement worker serves a different model")
             raise WorkerDied("the replacement worker serves a different model")
+        sch = self.scheduler
+        if ready.max_num_seqs < sch.max_num_seqs or (
+            0 < ready.max_num_batched_tokens < sch.max_num_batched_tokens
+        ):
+            self._fail_all("the replacement worker has less capacity than the scheduler runs")
+            raise WorkerDied("the replacement worker has less capacity than the scheduler runs")
         self.scheduler.requeue_all()
 
     def _fail_all(self, message: str) -> None:

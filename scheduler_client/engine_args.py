@@ -33,8 +33,22 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--num-speculative-tokens", type=int, default=4)
     ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when present)")
     ap.add_argument("--max-model-len", type=int, default=2048)
-    ap.add_argument("--max-num-seqs", type=int, default=16)
-    ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    ap.add_argument(
+        "--max-num-seqs",
+        type=int,
+        default=None,
+        help="the most requests running at once (default: the worker's, from its handshake); "
+        "passed on to a launched worker (its KV slots); above a running worker's "
+        "--max-num-seqs the scheduler refuses to start",
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help="the most tokens one step schedules, prefill chunks and drafts included (default: "
+        "the worker's, from its handshake); passed on to a launched worker; above a running "
+        "worker's value the scheduler refuses to start",
+    )
     ap.add_argument("--grammar-backend", default="llguidance")
     ap.add_argument(
         "--no-forced-drafts",
@@ -79,6 +93,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         device=a.device,
         max_model_len=a.max_model_len,
         worker_max_num_seqs=a.max_num_seqs,
+        worker_max_num_batched_tokens=a.max_num_batched_tokens,
         grammar_backend=a.grammar_backend,
         worker_log=a.worker_log,
         max_worker_restarts=a.max_worker_restarts,

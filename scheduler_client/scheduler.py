@@ -36,8 +36,12 @@ from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 2048
+    """``max_num_seqs`` (running requests) and ``max_num_batched_tokens`` (tokens per step): None
+    takes the worker's own value from its handshake; a value above the worker's is refused when
+    the scheduler starts (``resolve_limits``)."""
+
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     max_prefill_chunk: int = 512
     forced_drafts: bool = True  # offer grammar-forced tokens as drafts
     # choose each decode step's draft width from measured goodput (spec_tuner.py); off: always
@@ -48,10 +52,12 @@ class SchedulerConfig:
     async_scheduling: bool = False
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError("max_num_seqs must be >= 1")
-        if self.max_num_batched_tokens < 1 or self.max_prefill_chunk < 1:
-            raise ValueError("max_num_batched_tokens and max_prefill_chunk must be >= 1")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1 (or None: the worker's)")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be >= 1 (or None: the worker's)")
+        if self.max_prefill_chunk < 1:
+            raise ValueError("max_prefill_chunk must be >= 1")
 
 
 @dataclass(frozen=True)
@@ -63,6 +69,33 @@ class WorkerLimits:
     max_model_len: int
     max_num_speculative_tokens: int
     max_num_seqs: int
+    max_num_batched_tokens: int = 0  # 0: the worker did not say (protocol minor < 2)
+
+
+# the token budget when neither the user nor the worker (protocol minor < 2) names one
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+
+
+def resolve_limits(config: SchedulerConfig, limits: WorkerLimits) -> tuple[int, int]:
+    """``(max_num_seqs, max_num_batched_tokens)`` the scheduler runs with: the user's where set,
+    else the worker's. A user value above the worker's capacity is refused, not clamped: the
+    worker would refuse those steps, and a silent clamp hides a misconfiguration."""
+    seqs = limits.max_num_seqs if config.max_num_seqs is None else config.max_num_seqs
+    if seqs > limits.max_num_seqs:
+        raise ValueError(
+            f"max_num_seqs {seqs} is above the worker's {limits.max_num_seqs} KV slots: lower "
+            "it, leave it unset (the worker's value), or start the worker with a larger "
+            "--max-num-seqs"
+        )
+    worker_tokens = limits.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
+    tokens = config.max_num_batched_tokens or worker_tokens
+    if limits.max_num_batched_tokens and tokens > limits.max_num_batched_tokens:
+        raise ValueError(
+            f"max_num_batched_tokens {tokens} is above the worker's "
+            f"{limits.max_num_batched_tokens}: lower it, leave it unset (the worker's value), "
+            "or start the worker with a larger --max-num-batched-tokens"
+        )
+    return seqs, tokens
 
 
 class Scheduler:
@@ -79,7 +112,7 @@ class Scheduler:
         self.limits = limits
         self.tokenizer = tokenizer
         self.grammar = grammar
-        self.max_num_seqs = min(config.max_num_seqs, limits.max_num_seqs)
+        self.max_num_seqs, self.max_num_batched_tokens = resolve_limits(config, limits)
         self.requests: dict[str, Request] = {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -205,7 +238,7 @@ class Scheduler:
     # -- one step -------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput | None:
         """The next step, or None when there is nothing to send."""
-        budget = self.config.max_num_batched_tokens
+        budget = self.max_num_batched_tokens
         new: list[NewRequest] = []
         ids: list[str] = []
         counts: list[int] = []

@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, PretrainedConfig, Qwen2Config
 
 from worker.attention import ATTN_IMPLEMENTATION
+from worker.byte_tokenizer import BYTE_VOCAB, EOS_ID, save_byte_tokenizer
 
 VOCAB = 128
 
@@ -73,44 +74,17 @@ def greedy_reference(ref: torch.nn.Module, prompt: list[int], max_tokens: int) -
     return ids[len(prompt) :]
 
 
-BYTE_VOCAB = 259  # 256 byte tokens + <|endoftext|> (EOS) + <|im_start|> + <|im_end|>
-EOS_ID = 256
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-    "{% endfor %}<|im_start|>assistant\n"
-)
-
-
 BYTE_MODEL_SEED = 31  # the byte-level target of the two-process tests (conftest.py)
 
 
 def save_byte_model(arch: str, seed: int, directory: Path, *, layers: int = 2) -> Path:
     """A tiny random model whose vocabulary is a byte-level tokenizer (one token per byte), saved
     with ``tokenizer.json`` and a chat template: enough for grammars and detokenization."""
-    import json
-
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    assert tok.get_vocab_size() == BYTE_VOCAB
     model = tiny_model(arch, seed, layers=layers, vocab=BYTE_VOCAB)
     model.config.eos_token_id = EOS_ID
     model.generation_config.eos_token_id = EOS_ID
     model.save_pretrained(str(directory))
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "eos_token": "<|endoftext|>",
-                "bos_token": None,
-                "chat_template": CHAT_TEMPLATE,
-            }
-        )
-    )
+    save_byte_tokenizer(directory)
     return directory
 
 

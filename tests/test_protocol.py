@@ -197,3 +197,60 @@ def test_a_minor_0_decoder_reads_a_minor_1_scheduler_output() -> None:
     old = msgspec.msgpack.Decoder(SchedulerOutputV0).decode(body)
     assert old.step_id == new.step_id and old.req_ids == new.req_ids
     assert old.structured_req_ids == new.structured_req_ids
+
+
+class WorkerReadyV1(msgspec.Struct, tag="ready", array_like=True, gc=False):
+    """``WorkerReady`` as minor 1 knew it (no ``max_num_batched_tokens``)."""
+
+    protocol_major: int
+    protocol_minor: int
+    model_name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    drafter: str
+    max_num_speculative_tokens: int
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    tokenizer_path: str = ""
+
+
+def ready_v2() -> m.WorkerReady:
+    return m.WorkerReady(
+        protocol_major=1,
+        protocol_minor=2,
+        model_name="tiny",
+        vocab_size=512,
+        eos_token_ids=(2,),
+        max_model_len=256,
+        drafter="ngram",
+        max_num_speculative_tokens=4,
+        kv_capacity_tokens=24 * 256,
+        max_num_seqs=24,
+        tokenizer_path="/tmp/tok",
+        max_num_batched_tokens=999,
+    )
+
+
+def test_a_minor_1_scheduler_reads_a_minor_2_worker_ready() -> None:
+    """Minor 2 added WorkerReady.max_num_batched_tokens last: a minor-1 scheduler reads every
+    field it knows and ignores the new one."""
+    new = ready_v2()
+    header = Codec().encode(new)[0]
+    _major, minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
+    assert minor == m.PROTOCOL_MINOR >= 2
+    old = msgspec.msgpack.Decoder(WorkerReadyV1).decode(body)
+    for f in WorkerReadyV1.__struct_fields__:
+        assert getattr(old, f) == getattr(new, f), f
+
+
+def test_a_minor_2_scheduler_reads_a_minor_1_worker_ready() -> None:
+    """A minor-1 worker sends no token budget: the field reads as 0 ("the worker did not say"),
+    and the scheduler falls back to its own default."""
+    old = msgspec.structs.replace(ready_v2(), protocol_minor=1)
+    fields = [getattr(old, f) for f in WorkerReadyV1.__struct_fields__]
+    body = msgspec.msgpack.encode(WorkerReadyV1(*fields))
+    got = msgspec.msgpack.Decoder(m.Message).decode(body)
+    assert isinstance(got, m.WorkerReady)
+    assert got.max_num_seqs == 24 and got.tokenizer_path == "/tmp/tok"
+    assert got.max_num_batched_tokens == 0

@@ -88,6 +88,7 @@ def all_messages() -> list[m.Message]:
             kv_capacity_tokens=16384,
             max_num_seqs=8,
             tokenizer_path="/tmp/tok",
+            max_num_batched_tokens=2048,
         ),
         with_new,
         sched_output(5),

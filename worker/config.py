@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from protocol.options import add_log_args, parse_with_config
 from protocol.transport import TransportConfig, check_security, validate_address
-from worker.model_loader import EMBEDDED_MODEL
+from worker.model_loader import EMBEDDED_MODEL, LOAD_FORMATS
 
 DRAFTERS = ("none", "ngram", "draft_model", "parallel", "eagle")
 
@@ -15,6 +15,7 @@ DRAFTERS = ("none", "ngram", "draft_model", "parallel", "eagle")
 @dataclass(frozen=True, kw_only=True)
 class WorkerConfig:
     model: str = EMBEDDED_MODEL
+    load_format: str = "auto"
     drafter: str = "ngram"
     draft_model: str | None = None
     num_speculative_tokens: int = 4
@@ -24,6 +25,7 @@ class WorkerConfig:
     device: str | None = None  # None: CUDA when present
     dtype: str | None = None  # None: bf16 on CUDA, float32 on CPU
     max_num_seqs: int = 16
+    max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     batch_invariant: str | None = None  # None: "pad" on CUDA, "off" on CPU
     log_level: str = "INFO"
@@ -46,6 +48,8 @@ class WorkerConfig:
         )
 
     def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"--load-format must be one of {', '.join(LOAD_FORMATS)}")
         if self.drafter not in DRAFTERS:
             raise ValueError(
                 f"--drafter must be one of {', '.join(DRAFTERS)}, got {self.drafter!r}"
@@ -62,6 +66,10 @@ class WorkerConfig:
             raise ValueError("n-gram sizes need 1 <= --ngram-min <= --ngram-max")
         if self.max_num_seqs < 1 or self.max_model_len < 2:
             raise ValueError("--max-num-seqs must be >= 1 and --max-model-len >= 2")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                "--max-num-batched-tokens must be >= --max-num-seqs (one token per running request)"
+            )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be float32, bfloat16 or float16")
         if self.peer_timeout_s <= 0:
@@ -102,6 +110,14 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         default=d.model,
         help=f"target: {EMBEDDED_MODEL}, a transformers directory, or a .gguf file",
     )
+    ap.add_argument(
+        "--load-format",
+        default=d.load_format,
+        choices=LOAD_FORMATS,
+        help="auto: the model's weights; dummy: seeded random weights for the --model "
+        "directory's config.json (no weights files; vLLM's name), in --dtype; without a "
+        "tokenizer.json there a byte-level tokenizer stands in (benchmarks, tests)",
+    )
     ap.add_argument("--drafter", default=d.drafter, choices=DRAFTERS, help="how drafts are made")
     ap.add_argument(
         "--draft-model",
@@ -125,6 +141,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         type=int,
         default=d.max_num_seqs,
         help="KV slots: the most requests running at once",
+    )
+    ap.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=d.max_num_batched_tokens,
+        help="the most tokens one step may run (prefill chunks and drafts included); the "
+        "scheduler's default token budget, and steps above it are refused",
     )
     ap.add_argument(
         "--max-model-len",
@@ -202,6 +225,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     a = parse_with_config(ap, argv)
     return WorkerConfig(
         model=a.model,
+        load_format=a.load_format,
         drafter=a.drafter,
         draft_model=a.draft_model,
         num_speculative_tokens=a.num_speculative_tokens,
@@ -211,6 +235,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         device=a.device,
         dtype=a.dtype,
         max_num_seqs=a.max_num_seqs,
+        max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
         batch_invariant=a.batch_invariant,
         log_level=a.log_level,

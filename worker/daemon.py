@@ -62,7 +62,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     invariant = cfg.batch_invariant or ("pad" if device.type == "cuda" else "off")
     t0 = time.monotonic()
     log.info("loading target %s on %s", cfg.model, device)
-    target = load_model(cfg.model, device=device, dtype=dtype)
+    target = load_model(cfg.model, device=device, dtype=dtype, load_format=cfg.load_format)
     if cfg.tensor_parallel_size > 1:
         shard_model(target.model, cfg.tp_rank, cfg.tensor_parallel_size)
     k = cfg.num_speculative_tokens
@@ -132,7 +132,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_num_speculative_tokens=k,
         kv_capacity_tokens=executor.kv_cache.capacity_tokens,
         max_num_seqs=cfg.max_num_seqs,
-        tokenizer_path=target.directory,
+        tokenizer_path=target.tokenizer_directory,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
     )
     log.info(
         "models ready in %.1f s (drafter %s, k=%d, batch_invariant %s)",
@@ -257,6 +258,13 @@ class WorkerLoop:
     def step(self, identity: bytes, sched: SchedulerOutput) -> None:
         t0 = time.perf_counter()
         try:
+            num_tokens = int(sched.num_scheduled_tokens.sum())
+            if num_tokens > self.ready.max_num_batched_tokens > 0:
+                raise StepError(
+                    "bad_step",
+                    f"step {sched.step_id} runs {num_tokens} tokens, above this worker's "
+                    f"--max-num-batched-tokens {self.ready.max_num_batched_tokens}",
+                )
             out, rejected = self.runner.execute(sched, self.wait_bitmask)
         except StepError as e:
             log.warning("step %d refused: %s", sched.step_id, e)

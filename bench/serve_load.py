@@ -1,0 +1,181 @@
+"""The HTTP load generator of bench/serve_bench.py: streamed OpenAI chat completions against a
+running ``specd-scheduler``, closed loop at a fixed concurrency (a new request is sent as one
+finishes) or open loop at a Poisson rate. Per request: time to first token (the first streamed
+event), time per output token after it, end-to-end time and output tokens (from the stream's
+usage). Counters from ``/metrics`` give acceptance over a phase."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import random
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from scheduler_client.bench_serve import percentiles
+
+# Engine.add_request's structured kinds -> the request field of the OpenAI door (vLLM's names)
+GUIDED = {"json": "guided_json", "regex": "guided_regex", "choice": "guided_choice"}
+
+
+@dataclass
+class Result:
+    ttft_s: float | None
+    e2e_s: float
+    output_tokens: int
+    error: str | None = None
+
+
+def chat_body(w: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI chat body from ``Engine.add_request`` arguments (``messages`` form): greedy,
+    streamed with usage. Unconstrained requests ignore EOS, so every row does the same work;
+    structured ones end where their grammar does."""
+    body: dict[str, Any] = {
+        "messages": w["messages"],
+        "max_tokens": w["max_tokens"],
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    structured = w.get("structured")
+    if structured:
+        ((kind, value),) = structured.items()
+        body[GUIDED[kind]] = value
+    else:
+        body["ignore_eos"] = True
+    return body
+
+
+def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Result:
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
+    ttft: float | None = None
+    tokens = 0
+    error: str | None = None
+    try:
+        conn.request(
+            "POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"}
+        )
+        resp = conn.getresponse()
+        if resp.status != 200:
+            return Result(None, time.perf_counter() - t0, 0, f"HTTP {resp.status}: {resp.read()!r}")
+        for raw in resp:
+            line = raw.strip()
+            if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if "error" in event:
+                error = str(event["error"])
+                continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            if event.get("usage"):
+                tokens = int(event["usage"]["completion_tokens"])
+    except (OSError, http.client.HTTPException) as e:
+        error = f"{type(e).__name__}: {e}"
+    finally:
+        conn.close()
+    return Result(ttft, time.perf_counter() - t0, tokens, error)
+
+
+def closed_loop(
+    port: int, bodies: list[dict[str, Any]], concurrency: int
+) -> tuple[list[Result], float]:
+    """``concurrency`` clients, each sending its next request when the last one finished."""
+    results: list[Result] = []
+    lock = threading.Lock()
+    todo = iter(bodies)
+
+    def client() -> None:
+        while True:
+            with lock:
+                body = next(todo, None)
+            if body is None:
+                return
+            r = post_stream(port, body)
+            with lock:
+                results.append(r)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def poisson(
+    port: int, bodies: list[dict[str, Any]], rate: float, seed: int = 0
+) -> tuple[list[Result], float]:
+    """Requests arrive at ``rate`` per second (exponential gaps, seeded), whatever is running."""
+    rng = random.Random(seed)
+    results: list[Result] = []
+    lock = threading.Lock()
+
+    def one(body: dict[str, Any]) -> None:
+        r = post_stream(port, body)
+        with lock:
+            results.append(r)
+
+    t0 = time.perf_counter()
+    threads = []
+    due = 0.0
+    for body in bodies:
+        time.sleep(max(0.0, due - (time.perf_counter() - t0)))
+        threads.append(threading.Thread(target=one, args=(body,)))
+        threads[-1].start()
+        due += rng.expovariate(rate)
+    for t in threads:
+        t.join()
+    return results, time.perf_counter() - t0
+
+
+def scrape(port: int) -> dict[str, float]:
+    """The scheduler's counters (``specd_scheduler_*_total``), unlabelled ones only."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out = {}
+    for m in re.finditer(r"^(specd_scheduler_\w+_total) ([0-9.e+-]+)$", text, re.M):
+        out[m.group(1)] = float(m.group(2))
+    return out
+
+
+def summarize(
+    results: list[Result], wall_s: float, before: dict[str, float], after: dict[str, float]
+) -> dict[str, Any]:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.output_tokens for r in ok)
+    tpot = [
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in ok
+        if r.ttft_s is not None and r.output_tokens > 1
+    ]
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    drafted = delta("specd_scheduler_draft_tokens_total")
+    accepted = delta("specd_scheduler_accepted_tokens_total")
+    verifications = delta("specd_scheduler_drafts_total")
+    errors = [r.error for r in results if r.error]
+    return {
+        "requests": len(results),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wall_s": round(wall_s, 3),
+        "output_tokens": tokens,
+        "output_tok_s": round(tokens / wall_s, 2),
+        "ttft": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        "tpot": percentiles(tpot),
+        "e2e": percentiles([r.e2e_s for r in ok]),
+        "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
+        "mean_acceptance_length": round(1 + accepted / verifications, 3) if verifications else None,
+    }
