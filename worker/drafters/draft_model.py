@@ -19,9 +19,15 @@ from worker.requests import RequestStates
 class DraftModelDrafter(Drafter):
     name = "draft_model"
 
-    def __init__(self, executor: ModelExecutor, *, max_num_tokens: int) -> None:
+    def __init__(
+        self, executor: ModelExecutor, *, max_num_tokens: int, target_vocab_size: int | None = None
+    ) -> None:
         self.executor = executor
         self.max_num_tokens = max_num_tokens
+        # Draft distributions are over the target's vocabulary: a draft model with a smaller one
+        # (real pairs differ by a few hundred ids) has probability 0 on the ids it lacks.
+        self.vocab_size = target_vocab_size or executor.vocab_size
+        assert self.vocab_size >= executor.vocab_size, "the draft's vocabulary is the larger"
         n = executor.kv_cache.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)  # slot -> valid prefix in the draft cache
         self.fed_len = np.zeros(n, np.int64)  # slot -> committed length when drafts were fed
@@ -51,7 +57,7 @@ class DraftModelDrafter(Drafter):
         out = torch.zeros((len(slots), max(kmax, 1)), dtype=torch.long, device=device)
         sampled_rows = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
         probs = (
-            torch.zeros((len(slots), max(kmax, 1), ex.vocab_size), device=device)
+            torch.zeros((len(slots), max(kmax, 1), self.vocab_size), device=device)
             if sampled_rows
             else None
         )
@@ -120,6 +126,6 @@ class DraftModelDrafter(Drafter):
         picked, q = choose_tokens(states, slots, logits)
         idx = torch.tensor(rows, device=logits.device)
         if probs is not None and q is not None:
-            probs[idx, j] = q
+            probs[idx, j, : q.shape[1]] = q  # [N, draft vocab] into [N, target vocab]
         out[idx, j] = picked
         return picked
