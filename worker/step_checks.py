@@ -93,6 +93,8 @@ def check_step(
     ``can_defer``: the caller can wait for deferred rows."""
     fault = _fault(sched.step_id)
     vocab, k = limits.vocab_size, limits.max_num_draft_tokens
+    if sched.step_id < 0:
+        raise fault("step_id", f"negative step id {sched.step_id}")
     n_reqs = len(sched.req_ids)
     counts = _ints(sched.num_scheduled_tokens, "num_scheduled_tokens", n_reqs, fault)
     widths = _ints(sched.num_draft_tokens, "num_draft_tokens", n_reqs, fault)
@@ -120,8 +122,15 @@ def check_step(
         return req_id in states.slot_of and req_id not in gone
 
     # New requests: ids free, then each one checked on its own, then a slot for each accepted.
-    _unique([r.req_id for r in sched.new_requests], "new_requests", fault)
+    first: dict[str, int] = {}
     for i, req in enumerate(sched.new_requests):
+        if req.req_id in first:
+            raise fault(
+                f"new_requests[{i}].req_id",
+                f"{req.req_id!r} repeats new_requests[{first[req.req_id]}]",
+                req_id=req.req_id,
+            )
+        first[req.req_id] = i
         if running(req.req_id):
             raise fault(
                 f"new_requests[{i}].req_id",
