@@ -77,7 +77,11 @@ class DraftModelDrafter(Drafter):
             counts.append(len(tokens) - start)
             self.fed_len[slot] = len(tokens)
         step_slots = [slots[i] for i in active]
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(device)
+        # A target id the draft's smaller vocabulary lacks (an added or special token) enters the
+        # draft as id 0: its drafts may be worse there, never wrong (the target verifies them).
+        ids_np = np.concatenate(ids).astype(np.int64)
+        ids_np[ids_np >= ex.vocab_size] = 0
+        input_ids = torch.from_numpy(ids_np).to(device)
         positions = torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
         ).to(device)

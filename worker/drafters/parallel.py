@@ -84,7 +84,11 @@ class ParallelDrafter(Drafter):
             rows.extend(range(last, last + k))  # the last committed token, then each mask
             flat += len(new) + k - 1
             self.num_computed[slot] = len(tokens)
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(device)
+        # A target id the draft's smaller vocabulary lacks (an added or special token) enters the
+        # draft as id 0: its drafts may be worse there, never wrong (the target verifies them).
+        ids_np = np.concatenate(ids).astype(np.int64)
+        ids_np[ids_np >= ex.vocab_size] = 0
+        input_ids = torch.from_numpy(ids_np).to(device)
         positions = torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
         ).to(device)
