@@ -26,7 +26,8 @@ import numpy as np
 PROTOCOL_MAJOR = 1
 # 1: overlap scheduling (draft_widths_are_caps, deferred_req_ids, StepBitmask)
 # 2: WorkerReady.max_num_batched_tokens
-PROTOCOL_MINOR = 2
+# 3: WorkerError.field
+PROTOCOL_MINOR = 3
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -184,13 +185,17 @@ class Pong(_Msg, tag="pong", frozen=True):
 
 
 class WorkerError(_Msg, tag="error", frozen=True):
-    """An error the worker reports. ``fatal`` means the worker is exiting."""
+    """An error the worker reports. ``fatal`` means the worker is exiting. ``field`` (minor 2) names
+    the field of the refused message at fault, with its index where it has one
+    (``num_draft_tokens[2]``, ``new_requests[0].prompt_token_ids``, ``StepBitmask.cu_bitmask_rows``);
+    None when no single field is (a timeout, a decode error)."""
 
     code: str
     message: str
     step_id: int | None = None
     req_id: str | None = None
     fatal: bool = False
+    field: str | None = None
 
 
 class Shutdown(_Msg, tag="shutdown", frozen=True):

@@ -254,3 +254,30 @@ def test_a_minor_2_scheduler_reads_a_minor_1_worker_ready() -> None:
     assert isinstance(got, m.WorkerReady)
     assert got.max_num_seqs == 24 and got.tokenizer_path == "/tmp/tok"
     assert got.max_num_batched_tokens == 0
+
+
+class WorkerErrorV1(msgspec.Struct, tag="error", array_like=True, gc=False):
+    """WorkerError as a minor-2 peer knows it (before ``field``)."""
+
+    code: str
+    message: str
+    step_id: int | None = None
+    req_id: str | None = None
+    fatal: bool = False
+
+
+def test_a_minor_2_peer_and_a_minor_3_peer_read_each_others_worker_errors() -> None:
+    """Minor 3 added ``WorkerError.field`` last: an old scheduler reads a new worker's error (the
+    field is ignored), and a new scheduler reads an old worker's error (``field`` is None)."""
+    assert m.PROTOCOL_MINOR >= 3
+    new = m.WorkerError(code="bad_step", message="m", step_id=9, field="num_draft_tokens[1]")
+    header = Codec().encode(new)[0]
+    _major, _minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
+    old = msgspec.msgpack.Decoder(WorkerErrorV1).decode(body)
+    assert (old.code, old.message, old.step_id, old.req_id) == ("bad_step", "m", 9, None)
+
+    codec = Codec()
+    frames = codec.encode_versioned(WorkerErrorV1("bad_step", "m", 9, "r"), m.PROTOCOL_MAJOR, 2)
+    got = codec.decode([bytes(f) for f in frames])
+    assert isinstance(got, m.WorkerError)
+    assert got.step_id == 9 and got.req_id == "r" and got.field is None

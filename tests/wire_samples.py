@@ -112,5 +112,6 @@ def all_messages() -> list[m.Message]:
         m.Ping(seq=1),
         m.Pong(seq=1, num_steps=10),
         m.WorkerError(code="bad_message", message="x", step_id=None, req_id="a", fatal=False),
+        m.WorkerError(code="bad_step", message="y", step_id=7, field="num_draft_tokens[0]"),
         m.Shutdown(reason="drain"),
     ]

@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import deque
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,7 @@ log = logging.getLogger("specd.worker")
 
 EXIT_OK, EXIT_FATAL, EXIT_CONFIG, EXIT_LOAD = 0, 1, 2, 3
 GOODBYE_LINGER_MS = 2_000  # the longest a stopping worker waits for its last message to leave
+MAX_BACKLOG = 16  # steps that may queue behind one waiting for its deferred rows
 
 
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
@@ -91,10 +93,12 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         ):
             raise ValueError("the draft model's vocabulary is larger than the target's")
         draft_executor = executor_for(draft.model)
+        # a smaller draft vocabulary is padded: its distributions are over the target's ids
+        target_vocab = int(target.model.config.get_text_config().vocab_size)
         drafter = (
-            DraftModelDrafter(draft_executor, max_num_tokens=k)
+            DraftModelDrafter(draft_executor, max_num_tokens=k, target_vocab_size=target_vocab)
             if cfg.drafter == "draft_model"
-            else ParallelDrafter(draft_executor, max_num_tokens=k)
+            else ParallelDrafter(draft_executor, max_num_tokens=k, target_vocab_size=target_vocab)
         )
     if cfg.drafter == "eagle" and k:
         assert cfg.eagle_head is not None
@@ -167,9 +171,18 @@ class WorkerLoop:
         self.peer: bytes | None = None
         self.stopping = False
         self.num_bad_messages = 0
+        self.last_step_id: int | None = None  # the last step executed since the handshake
+        # (identity, message) received during a deferred-rows wait, handled after that step
+        self.backlog: deque[tuple[bytes, object]] = deque()
 
     def serve(self) -> int:
         while not self.stopping:
+            if self.backlog:  # messages that arrived while a step waited for its deferred rows
+                identity, queued = self.backlog.popleft()
+                if isinstance(queued, Shutdown):
+                    return EXIT_OK
+                self.dispatch(identity, queued)
+                continue
             frames = self.chan.recv_frames(timeout_ms=200)
             if frames is None:
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
@@ -207,6 +220,7 @@ class WorkerLoop:
             self.runner.reset()
             self.metrics.running.set(0)
             self.peer = None
+            self.last_step_id = None
 
     def dispatch(self, identity: bytes, msg: object) -> None:
         if isinstance(msg, SchedulerHello):
@@ -227,6 +241,7 @@ class WorkerLoop:
                 self.runner.reset()
             self.peer = identity
             self.peer_seen = time.monotonic()
+            self.last_step_id = None  # a new session numbers its steps afresh
             self.reply(identity, self.ready)
         elif isinstance(msg, Ping):
             # Answered from the step loop itself, between steps: a pong proves the loop is alive.
@@ -244,8 +259,17 @@ class WorkerLoop:
                 return
             self.step(identity, msg)
         elif isinstance(msg, StepBitmask):
-            # rows for a step that was refused before it waited for them: nothing to do
-            log.debug("late bitmask for step %d dropped", msg.step_id)
+            # rows for a step that was refused before it waited for them, or for no step at all
+            log.debug("bitmask for step %d with no step waiting: dropped", msg.step_id)
+            self.reply(
+                identity,
+                WorkerError(
+                    code="late_bitmask",
+                    message=f"no step waits for the deferred rows of step {msg.step_id}: dropped",
+                    step_id=msg.step_id,
+                    field="StepBitmask.step_id",
+                ),
+            )
         else:
             self.reply(
                 identity,
@@ -258,26 +282,45 @@ class WorkerLoop:
     def step(self, identity: bytes, sched: SchedulerOutput) -> None:
         t0 = time.perf_counter()
         try:
+            if self.last_step_id is not None and sched.step_id <= self.last_step_id:
+                raise StepError(
+                    "bad_step",
+                    f"step {sched.step_id}: step_id: not after the last step executed, "
+                    f"{self.last_step_id}",
+                    field="step_id",
+                )
             num_tokens = int(sched.num_scheduled_tokens.sum())
             if num_tokens > self.ready.max_num_batched_tokens > 0:
                 raise StepError(
                     "bad_step",
                     f"step {sched.step_id} runs {num_tokens} tokens, above this worker's "
                     f"--max-num-batched-tokens {self.ready.max_num_batched_tokens}",
+                    field="num_scheduled_tokens",
                 )
             out, rejected = self.runner.execute(sched, self.wait_bitmask)
         except StepError as e:
             log.warning("step %d refused: %s", sched.step_id, e)
             self.reply(
                 identity,
-                WorkerError(code=e.code, message=str(e), step_id=sched.step_id, req_id=e.req_id),
+                WorkerError(
+                    code=e.code,
+                    message=str(e),
+                    step_id=sched.step_id,
+                    req_id=e.req_id,
+                    field=e.field,
+                ),
             )
             return
+        self.last_step_id = sched.step_id
         for err in rejected:
             self.reply(
                 identity,
                 WorkerError(
-                    code=err.code, message=str(err), step_id=sched.step_id, req_id=err.req_id
+                    code=err.code,
+                    message=str(err),
+                    step_id=sched.step_id,
+                    req_id=err.req_id,
+                    field=err.field,
                 ),
             )
         self.reply(identity, out)
@@ -288,8 +331,11 @@ class WorkerLoop:
 
     def wait_bitmask(self, step_id: int) -> StepBitmask:
         """Overlap scheduling: the step's deferred grammar rows, read while the GPU computes.
-        Pings are answered meanwhile; anything else from the scheduler, or silence past the peer
-        timeout, refuses the step (nothing of it is applied)."""
+        Meanwhile every kind of message is handled: pings are answered, rows of an earlier step
+        are answered as late, bad frames and other messages are answered with an error; the next
+        ``SchedulerOutput`` waits in the backlog for this step to finish. A handshake or a
+        ``Shutdown`` (queued, then handled), or silence past the peer timeout, refuses the step
+        (nothing of it is applied)."""
         deadline = time.monotonic() + self.peer_timeout_s
         while time.monotonic() < deadline:
             frames = self.chan.recv_frames(timeout_ms=200)
@@ -299,27 +345,43 @@ class WorkerLoop:
             try:
                 msg = self.chan.codec.decode([f.buffer for f in frames[1:]])
             except ProtocolError as e:
+                self.num_bad_messages += 1
                 self.reply(identity, WorkerError(code=e.code, message=str(e)))
                 continue
+            if isinstance(msg, SchedulerHello | Shutdown):
+                # a new session (or the end): this step is moot; the message is handled after it
+                self.backlog.append((identity, msg))
+                what = "a new handshake" if isinstance(msg, SchedulerHello) else "a shutdown"
+                raise StepError(
+                    "bad_step",
+                    f"step {step_id}: deferred_req_ids: {what} arrived while the step waited for "
+                    "its deferred rows",
+                    field="deferred_req_ids",
+                )
             if identity != self.peer:
                 self.dispatch(identity, msg)  # a health check or a stranger: not our step
                 continue
             self.peer_seen = time.monotonic()
-            if isinstance(msg, Ping):
-                self.reply(identity, Pong(seq=msg.seq, num_steps=self.runner.num_steps))
-            elif isinstance(msg, StepBitmask) and msg.step_id == step_id:
+            if isinstance(msg, StepBitmask) and msg.step_id == step_id:
                 return msg
-            elif isinstance(msg, Shutdown):
-                log.info("shutdown requested while step %d waited for its rows", step_id)
-                self.stopping = True
-                raise StepError("bad_step", f"step {step_id}: the scheduler is shutting down")
-            else:
-                raise StepError(
-                    "bad_step",
-                    f"step {step_id}: waiting for its deferred bitmask, got {type(msg).__name__}",
+            if isinstance(msg, SchedulerOutput) and len(self.backlog) < MAX_BACKLOG:
+                self.backlog.append((identity, msg))  # the next step: after this one
+            elif isinstance(msg, SchedulerOutput):
+                self.reply(
+                    identity,
+                    WorkerError(
+                        code="busy",
+                        message=f"{MAX_BACKLOG} steps already wait behind step {step_id}",
+                        step_id=msg.step_id,
+                    ),
                 )
+            else:
+                self.dispatch(identity, msg)  # a ping, rows of another step, a stray message
         raise StepError(
-            "bad_step", f"step {step_id}: no deferred bitmask within {self.peer_timeout_s:.0f} s"
+            "bad_step",
+            f"step {step_id}: deferred_req_ids: no deferred bitmask within "
+            f"{self.peer_timeout_s:.0f} s",
+            field="deferred_req_ids",
         )
 
     def reply(self, identity: bytes, msg: object) -> None:

@@ -15,14 +15,17 @@ import torch
 
 from protocol.messages import NewRequest
 
+MAX_TOP_K = 2**31 - 1  # larger values mean "no top-k" in practice, and overflow a device int
+
 
 class WorkerRequestError(ValueError):
     """A request the worker cannot serve; ``req_id`` names it and the others keep running."""
 
-    def __init__(self, req_id: str, code: str, message: str) -> None:
+    def __init__(self, req_id: str, code: str, message: str, field: str | None = None) -> None:
         super().__init__(message)
         self.req_id = req_id
         self.code = code
+        self.field = field
 
 
 @dataclass
@@ -63,56 +66,79 @@ class RequestStates:
         )
         self.num_drafts = np.zeros(max_num_seqs, np.int64)
 
+    def check_new(self, req: NewRequest, max_num_draft_tokens: int, where: str) -> None:
+        """Refuse (``WorkerRequestError`` naming the field under ``where``, e.g.
+        ``new_requests[0]``) a request the worker cannot serve; changes nothing. Whether its id is
+        free and a slot is left is the step's to check (``worker.step_checks``)."""
+
+        def refuse(code: str, field: str, message: str) -> WorkerRequestError:
+            return WorkerRequestError(
+                req.req_id, code, f"request {req.req_id!r}: {message}", field=f"{where}.{field}"
+            )
+
+        ids = req.prompt_token_ids
+        if not isinstance(ids, np.ndarray) or ids.ndim != 1 or ids.dtype.kind not in "iu":
+            shape = getattr(ids, "shape", "?")
+            dtype = getattr(ids, "dtype", type(ids).__name__)
+            raise refuse(
+                "bad_prompt",
+                "prompt_token_ids",
+                f"prompt_token_ids must be a 1-D integer array, got {dtype} {shape}",
+            )
+        n = len(ids)
+        if n == 0:
+            raise refuse("empty_prompt", "prompt_token_ids", "the prompt is empty")
+        if n >= self.max_model_len:
+            raise refuse(
+                "prompt_too_long",
+                "prompt_token_ids",
+                f"prompt of {n} tokens does not fit max_model_len {self.max_model_len} "
+                "(with room for one generated token)",
+            )
+        if int(ids.min()) < 0 or int(ids.max()) >= self.vocab_size:
+            raise refuse(
+                "bad_token",
+                "prompt_token_ids",
+                f"prompt token ids must be in 0..{self.vocab_size - 1}, "
+                f"got {int(ids.min())}..{int(ids.max())}",
+            )
+        if not 0 <= req.num_speculative_tokens <= max_num_draft_tokens:
+            raise refuse(
+                "bad_speculation",
+                "num_speculative_tokens",
+                f"num_speculative_tokens {req.num_speculative_tokens} is outside "
+                f"0..{max_num_draft_tokens}",
+            )
+        s = req.sampling
+        for name, ok in (
+            ("temperature", math.isfinite(s.temperature) and s.temperature >= 0),
+            ("top_p", 0 < s.top_p <= 1),
+            ("top_k", 0 <= s.top_k <= MAX_TOP_K),
+            ("seed", s.seed is None or -(2**63) <= s.seed < 2**64),
+        ):
+            if not ok:
+                raise refuse(
+                    "bad_sampling",
+                    f"sampling.{name}",
+                    "temperature must be finite and >= 0, top_p in (0, 1], "
+                    f"top_k in 0..{MAX_TOP_K}; got {name} {getattr(s, name)!r}",
+                )
+
     def add(self, req: NewRequest, max_num_draft_tokens: int) -> int:
-        n = len(req.prompt_token_ids)
+        """Take a slot for a request that ``check_new`` and the step's checks passed."""
         if req.req_id in self.slot_of:
             raise WorkerRequestError(
                 req.req_id, "duplicate_request", f"request {req.req_id!r} is already running"
             )
-        if n == 0:
-            raise WorkerRequestError(
-                req.req_id, "empty_prompt", f"request {req.req_id!r} has an empty prompt"
-            )
-        if n >= self.max_model_len:
-            raise WorkerRequestError(
-                req.req_id,
-                "prompt_too_long",
-                f"request {req.req_id!r}: prompt of {n} tokens does not fit max_model_len "
-                f"{self.max_model_len} (with room for one generated token)",
-            )
+        self.check_new(req, max_num_draft_tokens, "new_request")
         if not self.free_slots:
             raise WorkerRequestError(
                 req.req_id,
                 "no_free_slot",
                 f"request {req.req_id!r}: all {self.max_num_seqs} slots are busy (max_num_seqs)",
             )
-        if req.num_speculative_tokens < 0 or req.num_speculative_tokens > max_num_draft_tokens:
-            raise WorkerRequestError(
-                req.req_id,
-                "bad_speculation",
-                f"request {req.req_id!r}: num_speculative_tokens {req.num_speculative_tokens} is "
-                f"outside 0..{max_num_draft_tokens}",
-            )
+        n = len(req.prompt_token_ids)
         s = req.sampling
-        if (
-            not (math.isfinite(s.temperature) and s.temperature >= 0)
-            or not 0 < s.top_p <= 1
-            or s.top_k < 0
-        ):
-            raise WorkerRequestError(
-                req.req_id,
-                "bad_sampling",
-                f"request {req.req_id!r}: temperature must be finite and >= 0, top_p in (0, 1], "
-                "top_k >= 0",
-            )
-        ids = req.prompt_token_ids
-        if ids.min() < 0 or ids.max() >= self.vocab_size:
-            raise WorkerRequestError(
-                req.req_id,
-                "bad_token",
-                f"request {req.req_id!r}: prompt token ids must be in 0..{self.vocab_size - 1}, "
-                f"got {int(ids.min())}..{int(ids.max())}",
-            )
         slot = self.free_slots.pop()
         self.slot_of[req.req_id] = slot
         self.token_ids[slot, :n] = req.prompt_token_ids

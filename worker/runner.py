@@ -22,12 +22,13 @@ import torch
 from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput, StepBitmask
 from worker.draft_tokens import DraftTokensHandler
 from worker.drafters.base import Drafter
-from worker.grammar_rows import apply_grammar, check_deferred, plan_deferred, plan_grammar
+from worker.grammar_rows import apply_grammar, plan_deferred, plan_grammar
 from worker.model_executor import ModelExecutor
 from worker.rejection import VerifyInput, verify, verify_greedy
 from worker.requests import RequestStates, WorkerRequestError
 from worker.spec_utils import get_drafter_hidden_states
 from worker.step_batch import StepBatch, StepError, build_step_batch
+from worker.step_checks import StepLimits, check_bitmask, check_step
 
 
 class ModelRunner:
@@ -52,6 +53,9 @@ class ModelRunner:
             max_num_draft_tokens=max_num_draft_tokens,
             device=self.device,
         )
+        self.limits = StepLimits(
+            vocab_size=target.vocab_size, max_num_draft_tokens=max_num_draft_tokens
+        )
         self.draft_tokens = DraftTokensHandler(self.device)
         self.num_steps = 0
         # Draft distributions from the last proposal, for sampled verification: [P, K, V] and
@@ -68,41 +72,51 @@ class ModelRunner:
     ) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
         """Run one step. Requests the worker refuses come back as errors; the rest run.
         ``wait_bitmask(step_id)`` returns the step's deferred grammar rows (overlap scheduling):
-        it is called after the forward has been launched, before anything is sampled."""
+        it is called after the forward has been launched, before anything is sampled.
+
+        A refused step (``StepError``: ``check_step`` before anything is applied, or its deferred
+        rows) leaves every running request as it was and keeps none of its new requests; its
+        finished and aborted ids are released all the same (the scheduler has let them go)."""
         self.draft_tokens.begin_step(sched.step_id)
-        rejected = self.update_requests(sched)
+        try:
+            rejected = check_step(
+                sched, self.states, self.limits, can_defer=wait_bitmask is not None
+            )
+        except StepError:
+            self.release(sched)  # the scheduler has let them go and never names them again
+            raise
+        added = self.update_requests(sched, rejected)
         try:
             batch = build_step_batch(
                 sched, self.states, {e.req_id for e in rejected}, self.vocab_size, self.device
             )
-            grammar_plan = plan_grammar(sched, batch, self.vocab_size)
-            check_deferred(sched, batch, self.states, wait_bitmask)
+            if not batch.req_ids:  # a step that only finishes or adds requests
+                self.num_steps += 1
+                return self.output(
+                    sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
+                ), rejected
+            logits, hidden = self.target.forward(
+                batch.input_ids,
+                batch.positions,
+                batch.slots,
+                batch.start_positions,
+                batch.num_scheduled,
+                batch.logits_indices,
+            )  # logits [num_logit_rows, vocab]
+            apply_grammar(sched.grammar_bitmask, plan_grammar(sched, batch), logits)
+            caps: dict[int, int] = {}
+            if sched.deferred_req_ids:
+                assert wait_bitmask is not None
+                deferred = wait_bitmask(sched.step_id)  # the GPU computes meanwhile
+                check_bitmask(deferred, sched, self.vocab_size)
+                plan, caps = plan_deferred(deferred, batch)
+                apply_grammar(deferred.grammar_bitmask, plan, logits)
         except StepError:
-            # Nothing of a refused step stays applied: its new requests leave again.
-            for req in sched.new_requests:
-                if req.req_id not in {e.req_id for e in rejected}:
-                    self.states.remove(req.req_id)
+            # Nothing of a refused step stays applied: its new requests leave again (the KV the
+            # forward wrote past each request's computed length is overwritten before it is read).
+            for req_id in added:
+                self.states.remove(req_id)
             raise
-        if not batch.req_ids:  # a step that only finishes or adds requests
-            self.num_steps += 1
-            return self.output(
-                sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
-            ), rejected
-        logits, hidden = self.target.forward(
-            batch.input_ids,
-            batch.positions,
-            batch.slots,
-            batch.start_positions,
-            batch.num_scheduled,
-            batch.logits_indices,
-        )  # logits [num_logit_rows, vocab]
-        apply_grammar(sched.grammar_bitmask, grammar_plan, logits)
-        caps: dict[int, int] = {}
-        if sched.deferred_req_ids:
-            assert wait_bitmask is not None
-            deferred = wait_bitmask(sched.step_id)  # the GPU computes meanwhile
-            plan, caps = plan_deferred(sched, deferred, batch, self.vocab_size)
-            apply_grammar(deferred.grammar_bitmask, plan, logits)
         tokens, num_accepted = self.accept(sched, batch, logits)
         for j, cap in caps.items():  # at most the drafts the grammar allows (greedy only)
             num_accepted[j] = min(int(num_accepted[j]), cap)
@@ -125,20 +139,27 @@ class ModelRunner:
         return self.draft_tokens.get_draft_tokens()
 
     # -- parts ----------------------------------------------------------------------------------
-    def update_requests(self, sched: SchedulerOutput) -> list[WorkerRequestError]:
+    def release(self, sched: SchedulerOutput) -> None:
+        """The step's finished and aborted requests leave (unknown ids are ignored)."""
         gone = [*sched.finished_req_ids, *sched.aborted_req_ids]
         for req_id in gone:
             slot = self.states.remove(req_id)
             if slot is not None:
                 self.drafter.remove(slot)
         self.draft_tokens.discard(gone)
-        rejected = []
+
+    def update_requests(
+        self, sched: SchedulerOutput, rejected: list[WorkerRequestError]
+    ) -> list[str]:
+        """Apply a checked step's request changes: release, then add every new request that was
+        not refused. Returns the ids added."""
+        self.release(sched)
+        refused = {e.req_id for e in rejected}
+        added = [r.req_id for r in sched.new_requests if r.req_id not in refused]
         for req in sched.new_requests:
-            try:
+            if req.req_id not in refused:
                 self.states.add(req, self.max_num_draft_tokens)
-            except WorkerRequestError as e:
-                rejected.append(e)
-        return rejected
+        return added
 
     def accept(
         self, sched: SchedulerOutput, batch: StepBatch, logits: torch.Tensor

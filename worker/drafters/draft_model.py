@@ -19,9 +19,15 @@ from worker.requests import RequestStates
 class DraftModelDrafter(Drafter):
     name = "draft_model"
 
-    def __init__(self, executor: ModelExecutor, *, max_num_tokens: int) -> None:
+    def __init__(
+        self, executor: ModelExecutor, *, max_num_tokens: int, target_vocab_size: int | None = None
+    ) -> None:
         self.executor = executor
         self.max_num_tokens = max_num_tokens
+        # Draft distributions are over the target's vocabulary: a draft model with a smaller one
+        # (real pairs differ by a few hundred ids) has probability 0 on the ids it lacks.
+        self.vocab_size = target_vocab_size or executor.vocab_size
+        assert self.vocab_size >= executor.vocab_size, "the draft's vocabulary is the larger"
         n = executor.kv_cache.max_num_seqs
         self.num_computed = np.zeros(n, np.int64)  # slot -> valid prefix in the draft cache
         self.fed_len = np.zeros(n, np.int64)  # slot -> committed length when drafts were fed
@@ -51,7 +57,7 @@ class DraftModelDrafter(Drafter):
         out = torch.zeros((len(slots), max(kmax, 1)), dtype=torch.long, device=device)
         sampled_rows = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
         probs = (
-            torch.zeros((len(slots), max(kmax, 1), ex.vocab_size), device=device)
+            torch.zeros((len(slots), max(kmax, 1), self.vocab_size), device=device)
             if sampled_rows
             else None
         )
@@ -74,7 +80,11 @@ class DraftModelDrafter(Drafter):
             counts.append(len(tokens) - start)
             self.fed_len[slot] = len(tokens)
         step_slots = [slots[i] for i in active]
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(device)
+        # A target id the draft's smaller vocabulary lacks (an added or special token) enters the
+        # draft as id 0: its drafts may be worse there, never wrong (the target verifies them).
+        ids_np = np.concatenate(ids).astype(np.int64)
+        ids_np[ids_np >= ex.vocab_size] = 0
+        input_ids = torch.from_numpy(ids_np).to(device)
         positions = torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
         ).to(device)
@@ -123,6 +133,6 @@ class DraftModelDrafter(Drafter):
         picked, q = choose_tokens(states, slots, logits)
         idx = torch.tensor(rows, device=logits.device)
         if probs is not None and q is not None:
-            probs[idx, j] = q
+            probs[idx, j, : q.shape[1]] = q  # [N, draft vocab] into [N, target vocab]
         out[idx, j] = picked
         return picked

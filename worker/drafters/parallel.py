@@ -23,9 +23,15 @@ from worker.spec_utils import get_parallel_drafting_token_id
 class ParallelDrafter(Drafter):
     name = "parallel"
 
-    def __init__(self, executor: ModelExecutor, *, max_num_tokens: int) -> None:
+    def __init__(
+        self, executor: ModelExecutor, *, max_num_tokens: int, target_vocab_size: int | None = None
+    ) -> None:
         self.executor = executor
         self.max_num_tokens = max_num_tokens
+        # Draft distributions are over the target's vocabulary: a draft model with a smaller one
+        # (real pairs differ by a few hundred ids) has probability 0 on the ids it lacks.
+        self.vocab_size = target_vocab_size or executor.vocab_size
+        assert self.vocab_size >= executor.vocab_size, "the draft's vocabulary is the larger"
         self.mask_token_id = get_parallel_drafting_token_id(executor.model.config)
         if not 0 <= self.mask_token_id < executor.vocab_size:
             raise ValueError(
@@ -54,7 +60,7 @@ class ParallelDrafter(Drafter):
         active = [i for i, k in enumerate(widths) if k > 0]
         sampled = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
         probs = (
-            torch.zeros((len(slots), max(kmax, 1), ex.vocab_size), device=device)
+            torch.zeros((len(slots), max(kmax, 1), self.vocab_size), device=device)
             if sampled
             else None
         )
@@ -78,7 +84,11 @@ class ParallelDrafter(Drafter):
             rows.extend(range(last, last + k))  # the last committed token, then each mask
             flat += len(new) + k - 1
             self.num_computed[slot] = len(tokens)
-        input_ids = torch.from_numpy(np.concatenate(ids).astype(np.int64)).to(device)
+        # A target id the draft's smaller vocabulary lacks (an added or special token) enters the
+        # draft as id 0: its drafts may be worse there, never wrong (the target verifies them).
+        ids_np = np.concatenate(ids).astype(np.int64)
+        ids_np[ids_np >= ex.vocab_size] = 0
+        input_ids = torch.from_numpy(ids_np).to(device)
         positions = torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
         ).to(device)
@@ -94,5 +104,5 @@ class ParallelDrafter(Drafter):
         idx = (torch.tensor(owners, device=device), torch.tensor(cols, device=device))
         out[idx] = tokens
         if probs is not None and q is not None:
-            probs[idx] = q
+            probs[idx[0], idx[1], : q.shape[1]] = q  # draft vocab into the target's
         return Proposal(out, list(widths), probs)
