@@ -36,7 +36,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.prompts import PROMPTS
 from bench.serve_load import chat_body, closed_loop, poisson, scrape, summarize
 from scheduler_client.bench_serve import load_workload
-from tests.procs import free_port
+from tests.daemons import wait_ready
 
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "mixed.jsonl"
 
@@ -91,14 +91,16 @@ def served(
     rows = []
     with tempfile.TemporaryDirectory(prefix="specd-serve-") as tmp:
         addr = f"ipc://{tmp}/worker.sock"
-        port = free_port()
         log = open(os.path.join(a.log_dir or tmp, f"serve-{drafter}-{mode}.log"), "ab")  # noqa: SIM115
+        sched_log = Path(a.log_dir or tmp) / f"serve-{drafter}-{mode}-scheduler.log"
         worker = subprocess.Popen(worker_cmd(a, drafter, addr), stderr=log)
+        # --port 0: the scheduler binds a free port and names it in its "ready" line
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
-        sched_cmd += ["--port", str(port), "--log-level", "WARNING"]
+        sched_cmd += ["--port", "0"]
         sched_cmd += ["--async-scheduling"] if mode == "overlap" else []
-        sched = subprocess.Popen(sched_cmd, stderr=log)
+        sched = subprocess.Popen(sched_cmd, stderr=open(sched_log, "ab"))  # noqa: SIM115
         try:
+            port = wait_ready(sched, sched_log, 900.0)
             wait_health(port, sched)
             # warm-up: graph capture for every width, the allocator, the grammar caches
             closed_loop(port, bodies[: max(a.concurrencies)], max(a.concurrencies))

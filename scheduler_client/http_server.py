@@ -53,6 +53,12 @@ def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
     return merged
 
 
+class _Server(ThreadingHTTPServer):
+    # The listen backlog. socketserver's default of 5 reset connections when 64 clients
+    # connected at once (the served benchmark at concurrency 64, H200, 2026-12-03).
+    request_queue_size = 1024
+
+
 class Frontend:
     """What the handlers need: the loop, the model name, limits and the optional API key."""
 
@@ -94,7 +100,7 @@ class Frontend:
         class Handler(_Handler):
             frontend = front
 
-        server = ThreadingHTTPServer((host, port), Handler)
+        server = _Server((host, port), Handler)
         # Not daemon threads: on shutdown, server_close waits for every answer to be written.
         server.daemon_threads = False
         return server

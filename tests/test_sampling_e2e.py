@@ -75,6 +75,7 @@ def engine(models: dict[str, Path], drafter: str) -> Engine:
             device="cpu",
             max_model_len=128,
             worker_max_num_seqs=128,
+            worker_max_num_batched_tokens=8192,
             scheduler=SchedulerConfig(max_num_seqs=128, max_num_batched_tokens=8192),
             step_timeout_s=60,
         )

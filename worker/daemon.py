@@ -289,7 +289,12 @@ class WorkerLoop:
                     f"{self.last_step_id}",
                     field="step_id",
                 )
-            num_tokens = int(sched.num_scheduled_tokens.sum())
+            counts = sched.num_scheduled_tokens
+            # a count out of range is the runner's check_step to name (with its index)
+            in_range = counts.ndim == 1 and bool(
+                ((counts >= 0) & (counts <= self.ready.max_model_len)).all()
+            )
+            num_tokens = int(counts.sum()) if in_range else 0
             if num_tokens > self.ready.max_num_batched_tokens > 0:
                 raise StepError(
                     "bad_step",
