@@ -8,45 +8,11 @@ import json
 import re
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.test_scheduler_daemon import KEY, Daemon
-
 READY = re.compile(r"ready: http://[^:\s]+:(\d+)")
-
-
-def launch_daemon(tmp: Path, model: Path, *flags: str, timeout_s: float = 180) -> Daemon:
-    """A daemon that launches its own worker on ``model`` (CPU); the caller kills and waits it."""
-    (tmp / "key").write_text(KEY + "\n")
-    (tmp / "sched.toml").write_text(
-        f'model = "{model}"\ndevice = "cpu"\nmax-model-len = 384\nlog_format = "json"\n'
-        f'port = 0\nserved_model_name = "tiny"\napi_key_file = "{tmp / "key"}"\n'
-    )
-    log = tmp / "sched.log"
-    with open(log, "wb") as err:
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "scheduler_client.daemon",
-                "--config",
-                str(tmp / "sched.toml"),
-                "--worker-log",
-                str(tmp / "worker.log"),
-                *flags,
-            ],
-            stderr=err,
-        )
-    try:
-        port = wait_ready(proc, log, timeout_s)
-    except BaseException:
-        proc.kill()
-        proc.wait(timeout=30)
-        raise
-    return Daemon(proc, port, log)
 
 
 def wait_ready(proc: subprocess.Popen[bytes], log: Path, timeout_s: float) -> int:

@@ -37,7 +37,7 @@ from scheduler_client.grammar import StructuredSpec, make_backend
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 from scheduler_client.tokenizer import TokenizerInfo
-from tests.daemons import launch_daemon, log_messages, wait_until
+from tests.daemons import log_messages, wait_until
 from tests.models import (
     BYTE_MODEL_SEED,
     BYTE_VOCAB,
@@ -47,7 +47,7 @@ from tests.models import (
     tiny_model,
 )
 from tests.procs import start_worker
-from tests.test_scheduler_daemon import KEY, Daemon
+from tests.test_scheduler_daemon import KEY, Daemon, start_daemon
 
 PROMPTS = ["the cat sat on the mat. the cat", "abcabcabc", "x y z"]
 
@@ -107,7 +107,7 @@ def kill_worker(d: Daemon, old: str | None = None) -> str:
 
 
 def test_daemon_replays_a_killed_worker_s_requests_identically(tmp_path: Path, model: Path) -> None:
-    d = launch_daemon(tmp_path, model)
+    d = start_daemon(tmp_path, model)
     try:
         bodies = [
             {"prompt": p, "max_tokens": 80, "ignore_eos": True, "temperature": 0} for p in PROMPTS
@@ -142,7 +142,7 @@ def test_daemon_replays_a_killed_worker_s_requests_identically(tmp_path: Path, m
 def test_daemon_exits_1_once_worker_restarts_are_spent(tmp_path: Path, model: Path) -> None:
     """Killed twice with --max-worker-restarts 1: every request fails with "worker died" (a plain
     request gets 500, a stream the error event then [DONE]) and the daemon exits 1."""
-    d = launch_daemon(tmp_path, model, "--max-worker-restarts", "1")
+    d = start_daemon(tmp_path, model, "--max-worker-restarts", "1")
     try:
         body = {"prompt": "go", "max_tokens": 350, "ignore_eos": True, "temperature": 0}
         stream = StreamReader(d, body)

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from tests.daemons import launch_daemon, log_messages, raw_http, wait_until
+from tests.daemons import log_messages, raw_http, wait_until
 from tests.models import save_byte_model
-from tests.test_scheduler_daemon import KEY, Daemon
+from tests.test_scheduler_daemon import KEY, Daemon, start_daemon
 
 LONG = {"prompt": "go", "max_tokens": 350, "ignore_eos": True, "temperature": 0}
 
@@ -23,7 +23,7 @@ LONG = {"prompt": "go", "max_tokens": 350, "ignore_eos": True, "temperature": 0}
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Daemon]:
     model = save_byte_model("llama", 31, tmp_path_factory.mktemp("target"))
-    d = launch_daemon(
+    d = start_daemon(
         tmp_path_factory.mktemp("sched"),
         model,
         "--max-active-requests",

@@ -122,7 +122,7 @@ def start_daemon(tmp: Path, model: Path, *flags: str) -> Daemon:
             stderr=err,
         )
     try:
-        port = int(logged(log, r'"ready: http://127\.0\.0\.1:(\d+) ', proc).group(1))
+        port = int(logged(log, r'"ready: http://127\.0\.0\.1:(\d+) ', proc, 180).group(1))
         d = Daemon(proc, port, log)
         assert d.call("/health", key=None)[0] == 200
     except BaseException:
