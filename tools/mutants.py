@@ -224,11 +224,11 @@ MUTANTS: tuple[Mutant, ...] = (
     ),
     Mutant(
         "width-mismatch-truncated",
-        "worker/grammar_rows.py",
-        "if have != need:",
-        "if have > need:",
+        "worker/step_checks.py",
+        "elif have != need:",
+        "elif have > need:",
         "fewer bitmask rows than positions is not refused as width_mismatch",
-        (*ROWS, "tests/test_worker_lossless.py"),
+        (*ROWS, "tests/test_step_checks.py", "tests/test_worker_lossless.py"),
     ),
     # -- draft validation (scheduler side) ------------------------------------------------------
     Mutant(
