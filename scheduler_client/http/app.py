@@ -1,0 +1,389 @@
+"""The door's routes: OpenAI completions and chat completions (JSON or server-sent events),
+``/v1/models``, ``/health`` and ``/metrics``, as one Starlette app.
+
+Everything here runs on the door's event loop; it only talks to the ``EngineLoop``s (submit,
+abort, read a ``Stream``), never to an engine. The engine's thread wakes a waiting handler
+through ``Stream.waker`` (``call_soon_threadsafe``), so a waiting request costs no thread.
+
+Admission is counted here, at submit: the check and the increment run with no ``await`` between
+them on the one event loop, so ``max_active_requests`` holds under any number of clients. A slot
+is released when the engine has finished the request (after an abort too), not when its client
+leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import queue
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
+
+from scheduler_client import openai_api as api
+from scheduler_client.engine_loop import Delta, Done, EngineLoop, Event, Refused, Stream
+from scheduler_client.http.errors import ApiError
+from scheduler_client.prom import merged_registry
+
+log = logging.getLogger("specd.http")
+
+POLL_S = 1.0  # how often a waiting handler checks that the engine is still alive
+STOPPED = ApiError(503, "the scheduler stopped before the request finished", "server_error")
+
+
+class Gone:
+    """The client disconnected while its answer was being made."""
+
+
+GONE = Gone()
+
+
+class Door:
+    """What the routes need: the engine loops, the model's name and limits, the API key, and the
+    admission count (touched only on the event loop)."""
+
+    def __init__(
+        self,
+        loops: list[EngineLoop],
+        *,
+        model: str,
+        max_model_len: int,
+        vocab_size: int,
+        api_key: str | None = None,
+        max_request_bytes: int = 16 << 20,
+        max_active_requests: int = 4096,
+        body_timeout_s: float = 30.0,
+    ) -> None:
+        self.loops = loops  # one per worker (data parallel); requests go to the least busy
+        self.registry = merged_registry([lp.engine.prom.registry for lp in loops])
+        self.model = model
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+        self.max_active_requests = max_active_requests
+        self.body_timeout_s = body_timeout_s
+        self.alive = True  # False once the engine loops have ended
+        self.num_admitted = 0  # requests submitted and not yet finished by their engine
+        self._settling: set[asyncio.Task[None]] = set()
+
+    @property
+    def draining(self) -> bool:
+        return any(lp.draining for lp in self.loops)
+
+    def state(self) -> str:
+        if not self.alive:
+            return "stopped"
+        if self.draining:
+            return "draining"
+        for lp in self.loops:
+            if (health := lp.health()) != "ok":
+                return health
+        return "ok"
+
+    def pick(self) -> EngineLoop:
+        """The least busy engine whose worker is still there."""
+        alive = [lp for lp in self.loops if lp.failed is None] or self.loops
+        return min(alive, key=lambda lp: lp.num_active)
+
+    def admit(self) -> None:
+        """Count one request in, or refuse it (503). No ``await`` may come between the check and
+        the increment."""
+        if not self.alive or self.draining:
+            raise ApiError(503, "the scheduler is shutting down", "server_error")
+        if self.num_admitted >= self.max_active_requests:
+            raise ApiError(503, "too many requests in flight; retry later", "server_error")
+        self.num_admitted += 1
+
+    def abandon(self, req_id: str, stream: Stream, events: Events) -> None:
+        """The client left: abort its request and release its slot once the engine has ended it."""
+        stream.loop.abort(req_id)  # after its submit in the loop's inbox: never lost
+        log.info("client left; aborted %s", req_id)
+        events.gone = False  # from here on, read to the end
+
+        async def settle() -> None:
+            try:
+                while (event := await events.next()) is not None:
+                    if isinstance(event, (Done, Refused, Gone)):
+                        return
+            finally:
+                self.num_admitted -= 1
+
+        task = asyncio.get_running_loop().create_task(settle())
+        self._settling.add(task)
+        task.add_done_callback(self._settling.discard)
+
+
+class Events:
+    """A request's stream read on the event loop: the engine's thread queues an event, then
+    wakes ``ready`` through the loop."""
+
+    def __init__(self, door: Door) -> None:
+        self.door = door
+        self.loop = asyncio.get_running_loop()
+        self.ready = asyncio.Event()
+        self.gone = False  # set by the disconnect watcher
+        self.stream: Stream | None = None
+
+    def wake(self) -> None:  # the engine's thread
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is reading
+            self.loop.call_soon_threadsafe(self.ready.set)
+
+    async def next(self) -> Event | Gone | None:
+        """The next event; ``GONE`` once the client has left (non-streaming requests watch
+        for it), None once the engines have stopped."""
+        assert self.stream is not None
+        while not self.gone:
+            self.ready.clear()
+            with contextlib.suppress(queue.Empty):
+                return self.stream.events.get_nowait()
+            if not self.door.alive:
+                return None
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.ready.wait(), POLL_S)
+        return GONE
+
+
+def json_response(status: int, obj: dict[str, Any], close: bool = False) -> Response:
+    headers = {"Connection": "close"} if close else None
+    body = json.dumps(obj, ensure_ascii=False).encode()
+    return Response(body, status, headers=headers, media_type="application/json")
+
+
+def error_response(e: ApiError) -> Response:
+    # 408/411/413: the body was not read, so the connection cannot carry another request
+    return json_response(e.status, e.body(), close=e.status in (408, 411, 413))
+
+
+def build_app(door: Door) -> Starlette:
+    async def health(_request: Request) -> Response:
+        state = door.state()
+        body = {"status": state, "active_requests": door.num_admitted}
+        return json_response(200 if state == "ok" else 503, body)
+
+    async def metrics(_request: Request) -> Response:
+        return Response(generate_latest(door.registry), media_type=CONTENT_TYPE_LATEST)
+
+    async def models(request: Request) -> Response:
+        if (denied := _unauthorized(door, request)) is not None:
+            return error_response(denied)
+        model = {
+            "id": door.model,
+            "object": "model",
+            "owned_by": "specd",
+            "max_model_len": door.max_model_len,
+        }
+        return json_response(200, {"object": "list", "data": [model]})
+
+    async def completions(request: Request) -> Response:
+        return await _generate(door, request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await _generate(door, request, chat=True)
+
+    async def no_route(request: Request, _exc: Exception) -> Response:
+        return error_response(ApiError(404, f"no route {request.url.path}", "not_found_error"))
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat, methods=["POST"]),
+        ],
+        exception_handlers={HTTPException: no_route},
+    )
+
+
+def _unauthorized(door: Door, request: Request) -> ApiError | None:
+    if door.api_key is None:
+        return None
+    given = request.headers.get("authorization", "")
+    if hmac.compare_digest(given.encode(), f"Bearer {door.api_key}".encode()):
+        return None
+    return ApiError(401, "a valid API key is required", "authentication_error")
+
+
+async def _body(door: Door, request: Request) -> Any:
+    """The JSON body: 411 without a Content-Length, 413 over the limit (both judged from the
+    header alone), 408 when it does not arrive within the body timeout."""
+    length = request.headers.get("content-length")
+    if length is None:
+        raise ApiError(411, "a Content-Length header is required")
+    if int(length) > door.max_request_bytes:  # the HTTP parser has checked it is digits
+        raise ApiError(
+            413, f"request body of {length} bytes is over the limit ({door.max_request_bytes})"
+        )
+    chunks = []
+    try:
+        async with asyncio.timeout(door.body_timeout_s):
+            async for chunk in request.stream():
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the body did not arrive within {door.body_timeout_s} s") from None
+    try:
+        return msgspec.json.decode(b"".join(chunks))
+    except (msgspec.DecodeError, RecursionError) as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+
+
+async def _generate(door: Door, request: Request, *, chat: bool) -> Response:
+    if (denied := _unauthorized(door, request)) is not None:
+        return error_response(denied)
+    try:
+        body = await _body(door, request)
+        engine_request = api.engine_request(
+            body, chat=chat, max_model_len=door.max_model_len, vocab_size=door.vocab_size
+        )
+        model = body.get("model")
+        if model is not None and model != door.model:
+            raise ApiError(
+                404,
+                f"model {model!r} is not served here (this is {door.model!r})",
+                "not_found_error",
+                param="model",
+            )
+        door.admit()
+    except ApiError as e:
+        return error_response(e)
+    req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    engine_request["req_id"] = req_id
+    events = Events(door)
+    events.stream = door.pick().submit(engine_request, events.wake)
+    if body.get("stream"):
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        return await _stream(door, events, req_id, chat=chat, include_usage=include_usage)
+    return await _complete(door, request, events, req_id, chat=chat)
+
+
+async def _watch(receive: Receive, events: Events) -> None:
+    """Wait for the client to leave (the body has been read: only a disconnect can come)."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    events.gone = True
+    events.ready.set()
+
+
+async def _complete(
+    door: Door, request: Request, events: Events, req_id: str, *, chat: bool
+) -> Response:
+    created = api.now()
+    watcher = asyncio.get_running_loop().create_task(_watch(request.receive, events))
+    try:
+        while True:
+            event = await events.next()
+            if isinstance(event, Gone):
+                assert events.stream is not None
+                door.abandon(req_id, events.stream, events)
+                return Response(status_code=499)  # nobody reads it
+            if event is None:
+                door.num_admitted -= 1
+                return error_response(STOPPED)
+            if isinstance(event, Refused):
+                door.num_admitted -= 1
+                return error_response(ApiError(400, event.message))
+            if isinstance(event, Done):
+                door.num_admitted -= 1
+                req = event.req
+                if req.finish_reason == "error":
+                    return error_response(ApiError(500, req.error or "failed", "server_error"))
+                return json_response(
+                    200, api.response(req, chat=chat, model=door.model, created=created)
+                )
+    finally:
+        watcher.cancel()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events; when the client leaves before the end (Starlette cancels the
+    iterator), the request is aborted."""
+
+    def __init__(self, body: AsyncIterator[bytes], on_close: Any) -> None:
+        super().__init__(
+            body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
+        self.on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+async def _stream(
+    door: Door, events: Events, req_id: str, *, chat: bool, include_usage: bool
+) -> Response:
+    created = api.now()
+    first = await events.next()
+    assert not isinstance(first, Gone)  # nothing watches a streamed request's disconnect
+    if first is None or isinstance(first, Refused):  # nothing sent yet: a plain error answer
+        door.num_admitted -= 1
+        return error_response(STOPPED if first is None else ApiError(400, first.message))
+    ended = False
+
+    def sse(obj: dict[str, Any]) -> bytes:
+        return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
+
+    async def body() -> AsyncIterator[bytes]:
+        nonlocal ended
+        event: Event | Gone | None = first
+        opened = False
+        while event is not None and not isinstance(event, Gone):
+            if isinstance(event, Delta):
+                yield sse(
+                    api.chunk(
+                        req_id,
+                        chat=chat,
+                        model=door.model,
+                        created=created,
+                        text=event.text,
+                        first=not opened,
+                    )
+                )
+                opened = True
+            elif isinstance(event, Done):
+                ended = True
+                door.num_admitted -= 1
+                req = event.req
+                if req.finish_reason == "error":
+                    yield sse(ApiError(500, req.error or "failed", "server_error").body())
+                else:
+                    last = api.chunk(
+                        req.req_id,
+                        chat=chat,
+                        model=door.model,
+                        created=created,
+                        text=None,
+                        finish_reason=req.finish_reason,
+                        first=not opened,
+                    )
+                    if include_usage:
+                        last["usage"] = api.usage(req)
+                    yield sse(last)
+                yield b"data: [DONE]\n\n"
+                return
+            event = await events.next()
+        ended = True
+        door.num_admitted -= 1
+        yield sse(STOPPED.body())
+
+    def on_close() -> None:
+        if not ended:
+            assert events.stream is not None
+            door.abandon(req_id, events.stream, events)
+
+    return _EventStream(body(), on_close)
