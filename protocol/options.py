@@ -62,9 +62,9 @@ def _typed(where: str, action: argparse.Action, value: object) -> object:
         want = "a string"
     if not ok:
         raise ValueError(f"{where} must be {want}, got {value!r}")
-    if callable(kind):
+    if kind is not None:
         try:
-            value = kind(value)
+            value = kind(value)  # type: ignore[arg-type,operator]  # checked above
         except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
             raise ValueError(f"{where}: {e}") from None
     if action.choices is not None and value not in action.choices:

@@ -162,9 +162,9 @@ def json_response(status: int, obj: dict[str, Any], close: bool = False) -> Resp
     return Response(body, status, headers=headers, media_type="application/json")
 
 
-def error_response(e: ApiError) -> Response:
-    # 408/411/413: the body was not read, so the connection cannot carry another request
-    return json_response(e.status, e.body(), close=e.status in (408, 411, 413))
+def error_response(e: ApiError, close: bool = False) -> Response:
+    """``close``: the request's body was not read, so its connection cannot carry another."""
+    return json_response(e.status, e.body(), close=close)
 
 
 def build_app(door: Door) -> Starlette:
@@ -217,12 +217,15 @@ def _unauthorized(door: Door, request: Request) -> ApiError | None:
     return ApiError(401, "a valid API key is required", "authentication_error")
 
 
-async def _body(door: Door, request: Request) -> Any:
-    """The JSON body: 411 without a Content-Length, 413 over the limit (both judged from the
+async def _body(door: Door, request: Request) -> bytes:
+    """The body: 411 without a Content-Length, 413 over the limit (both judged from the
     header alone), 408 when it does not arrive within the body timeout."""
     length = request.headers.get("content-length")
     if length is None:
         raise ApiError(411, "a Content-Length header is required")
+    if "transfer-encoding" in request.headers:
+        # with both headers the framing is ambiguous (request smuggling): refuse, unread
+        raise ApiError(400, "send the body with Content-Length alone, not Transfer-Encoding")
     if int(length) > door.max_request_bytes:  # the HTTP parser has checked it is digits
         raise ApiError(
             413, f"request body of {length} bytes is over the limit ({door.max_request_bytes})"
@@ -234,17 +237,21 @@ async def _body(door: Door, request: Request) -> Any:
                 chunks.append(chunk)
     except TimeoutError:
         raise ApiError(408, f"the body did not arrive within {door.body_timeout_s} s") from None
-    try:
-        return msgspec.json.decode(b"".join(chunks))
-    except (msgspec.DecodeError, RecursionError) as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+    return b"".join(chunks)
 
 
 async def _generate(door: Door, request: Request, *, chat: bool) -> Response:
     if (denied := _unauthorized(door, request)) is not None:
         return error_response(denied)
     try:
-        body = await _body(door, request)
+        raw = await _body(door, request)
+    except ApiError as e:
+        return error_response(e, close=True)
+    try:
+        try:
+            body = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, RecursionError) as e:
+            raise ApiError(400, f"the body is not valid JSON: {e}") from None
         engine_request = api.engine_request(
             body, chat=chat, max_model_len=door.max_model_len, vocab_size=door.vocab_size
         )
