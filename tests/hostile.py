@@ -69,8 +69,8 @@ def body(rng: random.Random) -> tuple[str, bytes]:
         req[name] = values(rng)
     if isinstance(req.get("max_tokens"), int) and req["max_tokens"] > 8:
         req["max_tokens"] = -req["max_tokens"]  # keep valid requests short; large ones invalid
-    if req.get("max_completion_tokens") is not None and "max_tokens" not in req:
-        req["max_tokens"] = 2
+    if chat and req.get("max_tokens") is None:
+        req["max_tokens"] = 2  # a chat without one runs to max_model_len: slow, not hostile
     path = "/v1/chat/completions" if chat else "/v1/completions"
     raw = json.dumps(req, ensure_ascii=rng.random() < 0.5).encode()
     mangle = rng.random()

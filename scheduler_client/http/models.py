@@ -21,6 +21,9 @@ MAX_MESSAGES = 4096
 MAX_STOP_CHARS = 4096
 MAX_TEMPERATURE = 100.0  # softmax at T=100 is flat already; larger values are typos
 MAX_JSON_DEPTH = 64  # a schema or structured_outputs nested deeper is refused
+# a regex or grammar longer than this is refused: it compiles on the engine's thread (a 100k
+# character regex took 1.8 s there, delaying every running request)
+MAX_GRAMMAR_CHARS = 16384
 
 Count = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # below the vocabulary: openai_api
@@ -33,6 +36,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 NumDrafts = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 StopText = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
+GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
 Stop = StopText | Annotated[list[StopText], Meta(max_length=MAX_LIST)]
 
 
@@ -83,9 +87,9 @@ class _Common(msgspec.Struct, kw_only=True):
     num_speculative_tokens: NumDrafts | None = None
     response_format: ResponseFormat | None = None
     guided_json: dict[str, Any] | str | None = None
-    guided_regex: str | None = None
-    guided_choice: Annotated[list[str], Meta(max_length=MAX_LIST)] | None = None
-    guided_grammar: str | None = None
+    guided_regex: GrammarText | None = None
+    guided_choice: Annotated[list[StopText], Meta(max_length=MAX_LIST)] | None = None
+    guided_grammar: GrammarText | None = None
     structured_outputs: dict[str, Any] | None = None
     # refused when set (see openai_api.UNSUPPORTED)
     logprobs: bool | int | None = None
