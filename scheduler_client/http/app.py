@@ -27,7 +27,7 @@ import msgspec
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
@@ -237,6 +237,8 @@ async def _body(door: Door, request: Request) -> bytes:
                 chunks.append(chunk)
     except TimeoutError:
         raise ApiError(408, f"the body did not arrive within {door.body_timeout_s} s") from None
+    except ClientDisconnect:
+        raise ApiError(400, "the client left before sending its body") from None  # unread
     return b"".join(chunks)
 
 
