@@ -97,7 +97,7 @@ def message(rng: random.Random, key: str | None) -> bytes:
     framing = rng.random()
     extra = ""
     if framing < 0.03:
-        length = rng.choice(["-1", "abc", "1e3", "99999999999999999999", " 5", "0x10"])
+        length = rng.choice(["-1", "abc", "1e3", "99999999999999999999", "+5", "0x10", "5 5"])
     elif framing < 0.05:
         return f"POST {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode() + raw  # no length
     elif framing < 0.07:
@@ -147,6 +147,7 @@ class Report:
     num_unanswered: int = 0  # closed or timed out without a status line
     num_5xx: int = 0
     max_latency_s: float = 0.0
+    slowest: dict[int, float] = field(default_factory=dict)  # status -> its slowest answer
     num_good: int = 0
     good_mismatches: list[str] = field(default_factory=list)
     seed: int = 0
@@ -156,7 +157,8 @@ class Report:
         return (
             f"hostile seed={self.seed}: {self.num_sent} sent, 5xx={self.num_5xx}, unanswered="
             f"{self.num_unanswered}, max latency {self.max_latency_s:.2f} s, statuses "
-            f"{dict(sorted(self.statuses.items()))}; good request ran {self.num_good} times, "
+            f"{dict(sorted(self.statuses.items()))}, slowest by status "
+            f"{ {k: round(v, 2) for k, v in sorted(self.slowest.items())} }; good request ran {self.num_good} times, "
             f"{len(self.good_mismatches)} mismatches; suspects (message(Random(seed * 1000003 + "
             f"i))) {self.suspects[:20]}"
         )
@@ -208,6 +210,7 @@ def run(port: int, key: str | None, count: int, seed: int, threads: int = 8) -> 
                     report.num_unanswered += 1
                 else:
                     report.statuses[status] = report.statuses.get(status, 0) + 1
+                    report.slowest[status] = max(report.slowest.get(status, 0.0), seconds)
                     report.num_5xx += status >= 500
 
     def good() -> None:

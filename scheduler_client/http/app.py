@@ -76,7 +76,8 @@ class Door:
         self.max_active_requests = max_active_requests
         self.body_timeout_s = body_timeout_s
         self.alive = True  # False once the engine loops have ended
-        self.num_admitted = 0  # requests submitted and not yet finished by their engine
+        # loop index -> requests submitted to it and not yet finished by it
+        self.admitted = [0] * len(loops)
         self._settling: set[asyncio.Task[None]] = set()
 
     @property
@@ -93,19 +94,28 @@ class Door:
                 return health
         return "ok"
 
-    def pick(self) -> EngineLoop:
-        """The least busy engine whose worker is still there."""
-        alive = [lp for lp in self.loops if lp.failed is None] or self.loops
-        return min(alive, key=lambda lp: lp.num_active)
+    @property
+    def num_admitted(self) -> int:
+        return sum(self.admitted)
 
-    def admit(self) -> None:
-        """Count one request in, or refuse it (503). No ``await`` may come between the check and
-        the increment."""
+    def admit(self) -> EngineLoop:
+        """Count one request in and choose its engine (the one with the fewest admitted requests
+        whose worker is still there), or refuse it (503). No ``await`` may come between the
+        check and the increment: the counts are exact, where the loops' own lag behind."""
         if not self.alive or self.draining:
             raise ApiError(503, "the scheduler is shutting down", "server_error")
         if self.num_admitted >= self.max_active_requests:
             raise ApiError(503, "too many requests in flight; retry later", "server_error")
-        self.num_admitted += 1
+        live = [i for i, lp in enumerate(self.loops) if lp.failed is None] or list(
+            range(len(self.loops))
+        )
+        i = min(live, key=lambda i: self.admitted[i])
+        self.admitted[i] += 1
+        return self.loops[i]
+
+    def release(self, stream: Stream) -> None:
+        """The engine has finished ``stream``'s request (or the engines have stopped)."""
+        self.admitted[self.loops.index(stream.loop)] -= 1
 
     def abandon(self, req_id: str, stream: Stream, events: Events) -> None:
         """The client left: abort its request and release its slot once the engine has ended it."""
@@ -119,7 +129,7 @@ class Door:
                     if isinstance(event, (Done, Refused, Gone)):
                         return
             finally:
-                self.num_admitted -= 1
+                self.release(stream)
 
         task = asyncio.get_running_loop().create_task(settle())
         self._settling.add(task)
@@ -135,7 +145,7 @@ class Events:
         self.loop = asyncio.get_running_loop()
         self.ready = asyncio.Event()
         self.gone = False  # set by the disconnect watcher
-        self.stream: Stream | None = None
+        self.stream: Stream  # set right after submit, which needs ``wake`` first
 
     def wake(self) -> None:  # the engine's thread
         with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is reading
@@ -144,7 +154,6 @@ class Events:
     async def next(self) -> Event | Gone | None:
         """The next event; ``GONE`` once the client has left (non-streaming requests watch
         for it), None once the engines have stopped."""
-        assert self.stream is not None
         while not self.gone:
             self.ready.clear()
             with contextlib.suppress(queue.Empty):
@@ -265,13 +274,13 @@ async def _generate(door: Door, request: Request, *, chat: bool) -> Response:
                 "not_found_error",
                 param="model",
             )
-        door.admit()
+        loop = door.admit()
     except ApiError as e:
         return error_response(e)
     req_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     engine_request["req_id"] = req_id
     events = Events(door)
-    events.stream = door.pick().submit(engine_request, events.wake)
+    events.stream = loop.submit(engine_request, events.wake)
     if body.get("stream"):
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return await _stream(door, events, req_id, chat=chat, include_usage=include_usage)
@@ -295,17 +304,16 @@ async def _complete(
         while True:
             event = await events.next()
             if isinstance(event, Gone):
-                assert events.stream is not None
                 door.abandon(req_id, events.stream, events)
                 return Response(status_code=499)  # nobody reads it
             if event is None:
-                door.num_admitted -= 1
+                door.release(events.stream)
                 return error_response(STOPPED)
             if isinstance(event, Refused):
-                door.num_admitted -= 1
+                door.release(events.stream)
                 return error_response(ApiError(400, event.message))
             if isinstance(event, Done):
-                door.num_admitted -= 1
+                door.release(events.stream)
                 req = event.req
                 if req.finish_reason == "error":
                     return error_response(ApiError(500, req.error or "failed", "server_error"))
@@ -340,7 +348,7 @@ async def _stream(
     first = await events.next()
     assert not isinstance(first, Gone)  # nothing watches a streamed request's disconnect
     if first is None or isinstance(first, Refused):  # nothing sent yet: a plain error answer
-        door.num_admitted -= 1
+        door.release(events.stream)
         return error_response(STOPPED if first is None else ApiError(400, first.message))
     ended = False
 
@@ -366,7 +374,7 @@ async def _stream(
                 opened = True
             elif isinstance(event, Done):
                 ended = True
-                door.num_admitted -= 1
+                door.release(events.stream)
                 req = event.req
                 if req.finish_reason == "error":
                     yield sse(ApiError(500, req.error or "failed", "server_error").body())
@@ -387,12 +395,11 @@ async def _stream(
                 return
             event = await events.next()
         ended = True
-        door.num_admitted -= 1
+        door.release(events.stream)
         yield sse(STOPPED.body())
 
     def on_close() -> None:
         if not ended:
-            assert events.stream is not None
             door.abandon(req_id, events.stream, events)
 
     return _EventStream(body(), on_close)
