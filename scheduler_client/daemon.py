@@ -25,7 +25,7 @@ from protocol.options import add_log_args, parse_with_config, setup_logging
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.engine_args import add_engine_args, engine_config
 from scheduler_client.engine_loop import EngineLoop
-from scheduler_client.http.app import Door
+from scheduler_client.http.door import Door
 from scheduler_client.http.server import DoorLimits, DoorServer
 from scheduler_client.worker_client import HandshakeError, WorkerDied
 

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from scheduler_client.http.app import Door, build_app
+from scheduler_client.http.app import build_app
+from scheduler_client.http.door import Door
 
 log = logging.getLogger("specd.http")
 
