@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test mutants lint format run bench bench-protocol image image-test bundle clean serve
+.PHONY: help setup test hostile mutants lint format run bench bench-protocol image image-test bundle clean serve
 
 help:  ## list the tasks
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -22,6 +22,9 @@ setup: ## create .venv and install specd, CPU torch, the embedded model and dev 
 
 test: ## run the test suite (CPU)
 	$(PY) -m pytest -q -ra
+
+hostile: ## 10,000 generated hostile HTTP requests against a running specd-scheduler (HOSTILE_ARGS='--count N --seed S'); fails on a 5xx, no answer in 5 s, a changed good output or an exit
+	$(PY) tools/hostile.py $(HOSTILE_ARGS)
 
 mutants: ## plant each bug listed in tools/mutants.py in a copy of the tree; report which the tests catch (MUTANTS_ARGS='--only ID', '--full')
 	$(PY) tools/mutants.py $(MUTANTS_ARGS)

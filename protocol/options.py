@@ -26,21 +26,51 @@ def parse_with_config(
 
 
 def load_toml(path: str, ap: argparse.ArgumentParser) -> dict[str, object]:
-    """Options from a TOML file, checked against the parser's flags (an unknown key is an error
-    that names it). Keys are flag names with ``-`` or ``_``."""
+    """Options from a TOML file, checked as their flags are: an unknown key, a value of the wrong
+    TOML type, a value the flag's type or choices reject: each is a ``ValueError`` naming the key.
+    Keys are flag names with ``-`` or ``_``."""
     try:
         with open(path, "rb") as f:
             raw = tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ValueError(f"cannot read config {path}: {e}") from None
-    known = {a.dest for a in ap._actions}
+    actions = {a.dest: a for a in ap._actions}
     out: dict[str, object] = {}
     for key, value in raw.items():
         dest = key.replace("-", "_")
-        if dest not in known or dest in ("help", "config"):
+        if dest not in actions or dest in ("help", "config"):
             raise ValueError(f"config {path}: unknown option {key!r}")
-        out[dest] = value
+        out[dest] = _typed(f"config {path}: {key}", actions[dest], value)
     return out
+
+
+def _typed(where: str, action: argparse.Action, value: object) -> object:
+    """``value`` as the flag's parser would produce it, or a ``ValueError`` saying why not."""
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{where} must be true or false, got {value!r}")
+        return value
+    kind = action.type
+    if kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+        want = "an integer"
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        want = "a number"
+    else:
+        ok = isinstance(value, str)
+        want = "a string"
+    if not ok:
+        raise ValueError(f"{where} must be {want}, got {value!r}")
+    if kind is not None:
+        try:
+            value = kind(value)  # type: ignore[arg-type,operator]  # checked above
+        except (TypeError, ValueError, argparse.ArgumentTypeError) as e:
+            raise ValueError(f"{where}: {e}") from None
+    if action.choices is not None and value not in action.choices:
+        choices = ", ".join(map(str, action.choices))
+        raise ValueError(f"{where} must be one of {choices}, got {value!r}")
+    return value
 
 
 def add_log_args(ap: argparse.ArgumentParser) -> None:

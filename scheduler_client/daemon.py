@@ -25,7 +25,8 @@ from protocol.options import add_log_args, parse_with_config, setup_logging
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.engine_args import add_engine_args, engine_config
 from scheduler_client.engine_loop import EngineLoop
-from scheduler_client.http_server import Frontend
+from scheduler_client.http.door import Door
+from scheduler_client.http.server import DoorLimits, DoorServer
 from scheduler_client.worker_client import HandshakeError, WorkerDied
 
 log = logging.getLogger("specd.scheduler")
@@ -44,6 +45,7 @@ class ServeConfig:
     max_active_requests: int = 4096
     max_request_bytes: int = 16 << 20
     data_parallel_size: int = 1
+    limits: DoorLimits = dataclasses.field(default_factory=DoorLimits)
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -54,6 +56,13 @@ class ServeConfig:
             raise ValueError("--drain-timeout must be >= 0 seconds")
         if self.max_active_requests < 1 or self.max_request_bytes < 1024:
             raise ValueError("--max-active-requests must be >= 1, --max-request-bytes >= 1024")
+        d = self.limits
+        if min(d.header_timeout_s, d.body_timeout_s, d.keep_alive_timeout_s) <= 0:
+            raise ValueError(
+                "--header-timeout, --body-timeout and --keep-alive-timeout must be > 0"
+            )
+        if d.max_connections < 1:
+            raise ValueError("--max-connections must be >= 1")
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
         if self.data_parallel_size > 1 and self.engine.worker_addr:
@@ -112,6 +121,30 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
     )
     ap.add_argument("--max-request-bytes", type=int, default=16 << 20, help="largest HTTP body")
     ap.add_argument(
+        "--header-timeout",
+        type=float,
+        default=10.0,
+        help="seconds a client has to send a request's line and headers; then it is closed",
+    )
+    ap.add_argument(
+        "--body-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a request's body; then it gets 408",
+    )
+    ap.add_argument(
+        "--keep-alive-timeout",
+        type=float,
+        default=5.0,
+        help="seconds an idle keep-alive connection stays open",
+    )
+    ap.add_argument(
+        "--max-connections",
+        type=int,
+        default=8192,
+        help="open HTTP connections at once; a request on one more gets 503",
+    )
+    ap.add_argument(
         "--data-parallel-size",
         type=int,
         default=1,
@@ -122,7 +155,8 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
     add_log_args(ap)
     a = parse_with_config(ap, argv)
     return ServeConfig(
-        engine=engine_config(a),
+        # the scheduler's Prometheus port (--metrics-port) listens where the HTTP door does
+        engine=dataclasses.replace(engine_config(a), metrics_host=a.host),
         host=a.host,
         port=a.port,
         served_model_name=a.served_model_name,
@@ -131,6 +165,12 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         max_active_requests=a.max_active_requests,
         max_request_bytes=a.max_request_bytes,
         data_parallel_size=a.data_parallel_size,
+        limits=DoorLimits(
+            header_timeout_s=a.header_timeout,
+            body_timeout_s=a.body_timeout,
+            keep_alive_timeout_s=a.keep_alive_timeout,
+            max_connections=a.max_connections,
+        ),
         log_level=a.log_level,
         log_format=a.log_format,
     )
@@ -171,20 +211,22 @@ def worker_config(cfg: ServeConfig, index: int) -> EngineConfig:
 def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int:
     """HTTP in one thread, engine loop 0 on this thread, the others on their own."""
     ready = loops[0].engine.ready
-    frontend = Frontend(
+    door = Door(
         loops,
         model=cfg.served_model_name or ready.model_name,
         max_model_len=ready.max_model_len,
+        vocab_size=ready.vocab_size,
         api_key=api_key,
         max_request_bytes=cfg.max_request_bytes,
         max_active_requests=cfg.max_active_requests,
+        body_timeout_s=cfg.limits.body_timeout_s,
     )
     try:
-        server = frontend.serve(cfg.host, cfg.port)
+        server = DoorServer(door, cfg.host, cfg.port, cfg.limits)
     except OSError as e:
         log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
         return EXIT_CONFIG
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    server.start()
     errors: list[BaseException] = []
 
     def run_other(loop: EngineLoop) -> None:
@@ -208,12 +250,12 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    host, port = server.server_address[:2]
+    host, port = server.address
     log.info(
         "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s))",
         host,
         port,
-        frontend.model,
+        door.model,
         ready.drafter,
         ready.max_num_speculative_tokens,
         len(loops),
@@ -228,9 +270,8 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
         log.exception("fatal error in the scheduler loop")
         return EXIT_FATAL
     finally:
-        frontend.alive = False
-        server.shutdown()
-        server.server_close()
+        door.alive = False
+        server.stop()
     if errors or any(lp.failed for lp in loops):
         return EXIT_FATAL
     log.info("drained; stopping the worker(s)")

@@ -67,6 +67,7 @@ class EngineConfig:
     # then replay every in-flight request from prompt + committed tokens. 0 disables.
     max_worker_restarts: int = 3
     metrics_port: int = 0  # Prometheus endpoint of the scheduler (0: off; -1: any free port)
+    metrics_host: str = "127.0.0.1"  # the address it binds (the daemon passes its --host)
     # CURVE keys for a tcp:// worker_addr (launched workers use ipc:// and need none)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
@@ -103,7 +104,11 @@ class Engine:
             self.prom = SchedulerMetrics()
             self.scheduler.on_finish = self.prom.record_finished
             # the port bound (the one asked for, or a free one for -1); 0: not serving
-            self.metrics_port = self.prom.serve(config.metrics_port) if config.metrics_port else 0
+            self.metrics_port = (
+                self.prom.serve(config.metrics_port, config.metrics_host)
+                if config.metrics_port
+                else 0
+            )
         except BaseException:
             self.close()
             raise

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -45,10 +46,17 @@ Event = Delta | Done | Refused
 class Stream:
     """What one request's reader sees: ``Delta`` events, then exactly one ``Done`` or ``Refused``."""
 
-    def __init__(self, loop: EngineLoop) -> None:
+    def __init__(self, loop: EngineLoop, waker: Callable[[], None] | None = None) -> None:
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.req_id: str | None = None
         self.loop = loop  # the engine that runs it
+        # called (on the engine's thread) after each event is queued: an asyncio reader's wake-up
+        self.waker = waker
+
+    def put(self, event: Event) -> None:
+        self.events.put(event)
+        if self.waker is not None:
+            self.waker()
 
     def abort(self) -> None:
         if self.req_id is not None:
@@ -71,9 +79,10 @@ class EngineLoop:
         self.failed: str | None = None  # set when the worker is gone for good
 
     # -- any thread -----------------------------------------------------------------------------
-    def submit(self, request: dict[str, Any]) -> Stream:
-        """Queue ``request`` (keyword arguments of ``Engine.add_request``)."""
-        stream = Stream(self)
+    def submit(self, request: dict[str, Any], waker: Callable[[], None] | None = None) -> Stream:
+        """Queue ``request`` (keyword arguments of ``Engine.add_request``); ``waker`` is called
+        on the engine's thread after each event of its stream."""
+        stream = Stream(self, waker)
         self._inbox.put(("add", request, stream))
         return stream
 
@@ -87,6 +96,10 @@ class EngineLoop:
     @property
     def num_active(self) -> int:
         return len(self._streams)
+
+    def health(self) -> str:
+        """ "ok", "recovering" (a worker is being replaced) or "stalled"."""
+        return "ok"
 
     # -- the engine's thread --------------------------------------------------------------------
     def run(self) -> None:
@@ -145,19 +158,19 @@ class EngineLoop:
 
     def _add(self, request: dict[str, Any], stream: Stream) -> None:
         if self.draining:
-            stream.events.put(Refused("the scheduler is shutting down"))
+            stream.put(Refused("the scheduler is shutting down"))
             return
         try:
             req = self.engine.add_request(**request)
         except (ValueError, TypeError) as e:
-            stream.events.put(Refused(str(e)))
+            stream.put(Refused(str(e)))
             return
         if req.finished:  # refused at once: a bad schema, a prompt too long, ...
             self.engine.scheduler.release(req.req_id)
-            stream.events.put(Refused(req.error or "the request was refused"))
+            stream.put(Refused(req.error or "the request was refused"))
             return
         stream.req_id = req.req_id
-        req.on_delta = lambda _r, text: stream.events.put(Delta(text))
+        req.on_delta = lambda _r, text: stream.put(Delta(text))
         self._streams[req.req_id] = stream
 
     def _finish_streams(self) -> None:
@@ -167,5 +180,5 @@ class EngineLoop:
             if req is None or not req.finished:
                 continue
             del self._streams[req_id]
-            stream.events.put(Done(req))
+            stream.put(Done(req))
             self.engine.scheduler.release(req_id)

@@ -12,133 +12,158 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import msgspec
+
+from scheduler_client.http import models as m
+from scheduler_client.http.errors import ApiError, from_validation
 from scheduler_client.request import Request
 
-
-class ApiError(Exception):
-    """An answer other than 200: ``status``, an OpenAI error ``kind`` and a message."""
-
-    def __init__(self, status: int, message: str, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.status = status
-        self.kind = kind
-
-    def body(self) -> dict[str, Any]:
-        return {"error": {"message": str(self), "type": self.kind, "code": self.status}}
-
-
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions")
+GUIDED = (
+    ("guided_json", "json"),
+    ("guided_regex", "regex"),
+    ("guided_choice", "choice"),
+    ("guided_grammar", "grammar"),
+)
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "ebnf")
 
 
-def _get(body: dict[str, Any], key: str, kind: type | tuple[type, ...], default: Any) -> Any:
-    value = body.get(key, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) and kind in (int, float, (int, float)):
-        raise ApiError(400, f"{key} must be a number, got {value!r}")
-    if not isinstance(value, kind):
-        raise ApiError(400, f"{key} has the wrong type: got {type(value).__name__}")
-    return value
+def parse(body: Any, *, chat: bool) -> m.CompletionRequest | m.ChatRequest:
+    """``body`` (decoded JSON) as its typed request; ``ApiError`` (400, with ``param``) names
+    the first field that is wrong."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        if chat:
+            return msgspec.convert(body, m.ChatRequest)
+        return msgspec.convert(body, m.CompletionRequest)
+    except msgspec.ValidationError as e:
+        raise from_validation(e) from None
 
 
-def _structured(body: dict[str, Any]) -> dict[str, Any] | None:
+def _structured(r: m.CompletionRequest | m.ChatRequest) -> dict[str, Any] | None:
     """At most one of response_format (json_object / json_schema), guided_*, structured_outputs."""
     found: list[dict[str, Any]] = []
-    rf = body.get("response_format")
+    rf = r.response_format
     if rf is not None:
-        if not isinstance(rf, dict) or "type" not in rf:
-            raise ApiError(400, 'response_format must be an object with a "type"')
-        if rf["type"] == "json_object":
+        if rf.type == "json_object":
             found.append({"json": {"type": "object"}})
-        elif rf["type"] == "json_schema":
-            js = rf.get("json_schema")
-            if not isinstance(js, dict) or not isinstance(js.get("schema"), dict):
+        elif rf.type == "json_schema":
+            if rf.json_schema is None or rf.json_schema.schema is None:
                 raise ApiError(
-                    400, "response_format.json_schema.schema must be a JSON schema object"
+                    400,
+                    "response_format.json_schema.schema must be a JSON schema object",
+                    param="response_format.json_schema.schema",
                 )
-            found.append({"json": js["schema"]})
-        elif rf["type"] != "text":
+            found.append({"json": rf.json_schema.schema})
+        elif rf.type != "text":
             raise ApiError(
-                400, f"response_format type {rf['type']!r} is not json_object, json_schema or text"
+                400,
+                f"response_format type {rf.type!r} is not json_object, json_schema or text",
+                param="response_format.type",
             )
-    for key, kind in (
-        ("guided_json", "json"),
-        ("guided_regex", "regex"),
-        ("guided_choice", "choice"),
-        ("guided_grammar", "grammar"),
-    ):
-        if body.get(key) is not None:
-            found.append({kind: body[key]})
-    so = body.get("structured_outputs")
+    for key, kind in GUIDED:
+        if getattr(r, key) is not None:
+            found.append({kind: getattr(r, key)})
+    so = r.structured_outputs
     if so is not None:
-        if not isinstance(so, dict) or len(so) != 1:
-            raise ApiError(400, "structured_outputs must have one of json, regex, choice, grammar")
+        if len(so) != 1 or next(iter(so)) not in STRUCTURED_KINDS:
+            raise ApiError(
+                400,
+                "structured_outputs must have one of json, regex, choice, grammar",
+                param="structured_outputs",
+            )
+        value = next(iter(so.values()))
+        if isinstance(value, str) and len(value) > m.MAX_GRAMMAR_CHARS:
+            raise ApiError(
+                400,
+                f"structured_outputs: a constraint over {m.MAX_GRAMMAR_CHARS} characters",
+                param="structured_outputs",
+            )
         found.append(dict(so))
     if len(found) > 1:
         raise ApiError(400, "give one structured-output constraint, not several")
+    if found and m.depth(found[0]) > m.MAX_JSON_DEPTH:
+        raise ApiError(
+            400, f"the structured-output constraint nests deeper than {m.MAX_JSON_DEPTH} levels"
+        )
     return found[0] if found else None
 
 
-def engine_request(body: Any, *, chat: bool, max_model_len: int) -> dict[str, Any]:
+def _prompt(prompt: str | list[Any], vocab_size: int) -> str | list[int]:
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        return prompt
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        raise ApiError(
+            400, "prompt must be a string or a list of token ids (one prompt)", param="prompt"
+        )
+    for i, t in enumerate(prompt):
+        if not 0 <= t < vocab_size:
+            raise ApiError(
+                400, f"prompt[{i}] = {t} is not a token id (0..{vocab_size - 1})", param="prompt"
+            )
+    return list(prompt)
+
+
+def engine_request(
+    body: Any, *, chat: bool, max_model_len: int, vocab_size: int = m.INT32_MAX
+) -> dict[str, Any]:
     """``Engine.add_request`` arguments for one OpenAI request body; ``ApiError`` names what is
-    wrong."""
-    if not isinstance(body, dict):
-        raise ApiError(400, "the request body must be a JSON object")
+    wrong (and, for a field, its ``param``)."""
+    r = parse(body, chat=chat)
     for key in UNSUPPORTED:
-        if body.get(key) not in (None, False, 0, []):
-            raise ApiError(400, f"{key} is not supported by specd")
-    if _get(body, "n", int, 1) != 1:
-        raise ApiError(400, "n must be 1 (one choice per request)")
+        if getattr(r, key) not in (None, False, 0, []):
+            raise ApiError(400, f"{key} is not supported by specd", param=key)
+    if r.n not in (None, 1):
+        raise ApiError(400, "n must be 1 (one choice per request)", param="n")
+    if r.min_p not in (None, 0.0):
+        raise ApiError(400, "min_p is not supported by specd (send 0 or leave it out)", "min_p")
+    if r.logit_bias:
+        for key in r.logit_bias:
+            if not (key.isdigit() and int(key) < vocab_size):
+                raise ApiError(400, f"logit_bias key {key!r} is not a token id", param="logit_bias")
+        raise ApiError(400, "logit_bias is not supported by specd", param="logit_bias")
     out: dict[str, Any] = {}
-    if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise ApiError(400, "messages must be a non-empty list")
-        out["messages"] = [_message(i, m) for i, m in enumerate(messages)]
-        limit = _get(body, "max_completion_tokens", int, None)
-        out["max_tokens"] = _get(body, "max_tokens", int, limit or max_model_len)
+    if isinstance(r, m.ChatRequest):
+        out["messages"] = [_message(i, msg) for i, msg in enumerate(r.messages)]
+        out["max_tokens"] = r.max_tokens or r.max_completion_tokens or max_model_len
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-            prompt = prompt[0]  # a batch of one
-        if (
-            isinstance(prompt, list)
-            and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt)
-        ) or isinstance(prompt, str):
-            out["prompt"] = prompt
-        else:
-            raise ApiError(400, "prompt must be a string or a list of token ids (one prompt)")
-        out["max_tokens"] = _get(body, "max_tokens", int, 16)
-    out["temperature"] = float(_get(body, "temperature", (int, float), 1.0))
-    out["top_p"] = float(_get(body, "top_p", (int, float), 1.0))
-    top_k = _get(body, "top_k", int, 0)
-    out["top_k"] = 0 if top_k < 0 else top_k  # vLLM spells "no top-k" -1
-    out["seed"] = _get(body, "seed", int, None)
-    stop = _get(body, "stop", (str, list), [])
-    out["stop"] = [stop] if isinstance(stop, str) else stop
-    if not all(isinstance(s, str) for s in out["stop"]):
-        raise ApiError(400, "stop must be a string or a list of strings")
-    out["stop_token_ids"] = _get(body, "stop_token_ids", list, [])
-    out["ignore_eos"] = bool(_get(body, "ignore_eos", bool, False))
-    out["num_speculative_tokens"] = _get(body, "num_speculative_tokens", int, None)
-    out["structured"] = _structured(body)
+        out["prompt"] = _prompt(r.prompt, vocab_size)
+        out["max_tokens"] = r.max_tokens or 16
+    out["temperature"] = 1.0 if r.temperature is None else float(r.temperature)
+    out["top_p"] = 1.0 if r.top_p is None else float(r.top_p)
+    out["top_k"] = max(r.top_k or 0, 0)  # vLLM spells "no top-k" -1
+    out["seed"] = r.seed
+    out["stop"] = [r.stop] if isinstance(r.stop, str) else list(r.stop or [])
+    stop_ids = list(r.stop_token_ids or [])
+    for i, t in enumerate(stop_ids):
+        if t >= vocab_size:
+            raise ApiError(
+                400, f"stop_token_ids[{i}] = {t} is not a token id", param=f"stop_token_ids[{i}]"
+            )
+    out["stop_token_ids"] = stop_ids
+    out["ignore_eos"] = bool(r.ignore_eos)
+    out["num_speculative_tokens"] = r.num_speculative_tokens
+    out["structured"] = _structured(r)
     return out
 
 
-def _message(i: int, m: Any) -> dict[str, str]:
-    if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-        raise ApiError(400, f"messages[{i}] must be an object with a role")
-    content = m.get("content", "")
+def _message(i: int, msg: m.Message) -> dict[str, str]:
+    content = msg.content
     if isinstance(content, list):  # the parts form: keep the text parts
         parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text":
-                raise ApiError(400, f"messages[{i}]: only text content parts are supported")
-            parts.append(str(part.get("text", "")))
+        for j, part in enumerate(content):
+            if part.type != "text":
+                raise ApiError(
+                    400,
+                    f"messages[{i}]: only text content parts are supported",
+                    param=f"messages[{i}].content[{j}].type",
+                )
+            parts.append(part.text)
         content = "".join(parts)
-    if not isinstance(content, str):
-        raise ApiError(400, f"messages[{i}].content must be a string or text parts")
-    return {"role": m["role"], "content": content}
+    return {"role": msg.role, "content": content or ""}
 
 
 def usage(req: Request) -> dict[str, int]:

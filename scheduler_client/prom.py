@@ -2,11 +2,37 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.metrics_core import Metric
 
 from scheduler_client.request import Request
+
+
+def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
+    """One registry for /metrics: with one worker its own; with several, every sample labelled
+    ``worker="i"`` under one family per metric (duplicate families would be invalid)."""
+    if len(registries) == 1:
+        return registries[0]
+
+    class Merged:
+        def collect(self) -> Iterator[Metric]:
+            families: dict[str, Metric] = {}
+            for i, reg in enumerate(registries):
+                for fam in reg.collect():
+                    out = families.setdefault(
+                        fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit)
+                    )
+                    for smp in fam.samples:
+                        labels = {**smp.labels, "worker": str(i)}
+                        out.add_sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar)
+            yield from families.values()
+
+    merged = CollectorRegistry()
+    merged.register(Merged())
+    return merged
 
 
 class SchedulerMetrics:
@@ -65,9 +91,10 @@ class SchedulerMetrics:
             "specd_scheduler_worker_restarts_total", "Workers replaced after a death", registry=r
         )
 
-    def serve(self, port: int) -> int:
-        """Serve ``/metrics`` on ``port`` (-1: any free port) until ``stop``; returns the port."""
-        self.server, _thread = start_http_server(max(port, 0), registry=self.registry)
+    def serve(self, port: int, host: str = "127.0.0.1") -> int:
+        """Serve ``/metrics`` on ``host``:``port`` (-1: any free port) until ``stop``; returns the
+        port."""
+        self.server, _thread = start_http_server(max(port, 0), addr=host, registry=self.registry)
         return int(self.server.server_port)
 
     def stop(self) -> None:

@@ -104,7 +104,7 @@ def test_a_client_leaving_a_stream_aborts_its_request(daemon: Daemon) -> None:
             chunk = s.recv(4096)
             assert chunk, "the stream closed before its first event"
             got += chunk
-        assert got.startswith(b"HTTP/1.0 200")
+        assert got.startswith(b"HTTP/1.1 200")
     # The socket is closed: the door's next write fails and the engine aborts the request
     # long before its 350 tokens are done.
     wait_until(lambda: active(daemon) == 0, 60, "the request to be aborted")
