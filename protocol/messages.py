@@ -27,7 +27,8 @@ PROTOCOL_MAJOR = 1
 # 1: overlap scheduling (draft_widths_are_caps, deferred_req_ids, StepBitmask)
 # 2: WorkerReady.max_num_batched_tokens
 # 3: WorkerError.field
-PROTOCOL_MINOR = 3
+# 4: SchedulerOutput.max_draft_proposals
+PROTOCOL_MINOR = 4
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -104,6 +105,10 @@ class SchedulerOutput(_Msg, tag="sched", frozen=True):
       ``min(width, drafts it proposed)`` of its own drafts and reports the width it used.
     * ``deferred_req_ids`` (minor 1): structured requests whose bitmask rows come later in a
       ``StepBitmask`` for this step (their previous tokens were still pending when it was sent).
+    * ``max_draft_proposals`` (minor 4): the most drafts the worker proposes for each request after
+      this step, for the next step to verify (``-1``: each request's ``num_speculative_tokens``;
+      ``0``: the drafter does no work). The scheduler's speculation tuner sets it, so a width of
+      zero saves the drafting too, not only the verification.
     """
 
     step_id: int
@@ -120,6 +125,7 @@ class SchedulerOutput(_Msg, tag="sched", frozen=True):
     pending_structured_output_tokens: bool = False
     draft_widths_are_caps: bool = False
     deferred_req_ids: list[str] = msgspec.field(default_factory=list)
+    max_draft_proposals: int = -1
 
 
 class StepBitmask(_Msg, tag="bitmask", frozen=True):

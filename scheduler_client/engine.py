@@ -317,7 +317,7 @@ class Engine:
         if tuner is None or not len(counts) or sched.new_requests:
             return
         if (counts - sched.num_draft_tokens == 1).all():
-            tuner.observe_step(len(counts), int(counts.max()), seconds)
+            tuner.observe_step(len(counts), int(counts.max()), seconds, sched.max_draft_proposals)
 
     def _recover(self, cause: WorkerDied) -> None:
         """A new worker (relaunched, or the next one to appear at worker_addr), a new handshake,

@@ -340,6 +340,7 @@ class Scheduler:
             grammar_bitmask=bitmask,
             draft_widths_are_caps=self.config.async_scheduling,
             deferred_req_ids=deferred,
+            max_draft_proposals=self._proposals(sampling),
         )
         self.to_free, self.to_abort = [], []
         self.steps[self.step_id] = (scheduled, sampling)
@@ -387,6 +388,15 @@ class Scheduler:
             return 0
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
         return self.tuner.choose(alphas, avail)
+
+    def _proposals(self, sampling: set[str]) -> int:
+        """The most drafts the worker proposes after this step (the tuner's choice; -1: each
+        request's own width)."""
+        if self.tuner is None:
+            return -1
+        reqs = [self.requests[r] for r in sampling]
+        alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in reqs]
+        return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs])
 
     def update(self, out: ModelRunnerOutput) -> list[Request]:
         """Commit the step's sampled tokens; returns the requests that finished."""

@@ -64,6 +64,7 @@ def run(
             running[r.req_id] = r
             new.append(NewRequest(r.req_id, np.array(r.prompt, np.int32), r.sampling, r.k))
         ids, counts, widths = [], [], []
+        sampling: list[Req] = []
         draft_ids: list[int] = []
         cap = 1 << 30
         if tuner is not None:
@@ -86,6 +87,8 @@ def run(
                 n = total - r.computed + w
             supplied = r.supplied_drafts(r.prompt + r.out, w) if r.supplied_drafts and w else None
             assert supplied is None or len(supplied) == w
+            if r.computed + n - w == total:
+                sampling.append(r)
             ids.append(r.req_id)
             counts.append(n)
             widths.append(w)
@@ -100,6 +103,11 @@ def run(
             finished_req_ids=finished,
             aborted_req_ids=[],
             structured_req_ids=[],
+            max_draft_proposals=-1
+            if tuner is None
+            else tuner.propose(
+                [tuner.alpha(r.judged, r.accepted) for r in sampling], [r.k for r in sampling]
+            ),
         )
         t0 = time.perf_counter()
         out, rejected = runner.execute(sched)
@@ -109,7 +117,9 @@ def run(
             and not new
             and all(c - w == 1 for c, w in zip(counts, widths, strict=True))
         ):
-            tuner.observe_step(len(counts), max(counts), time.perf_counter() - t0)
+            tuner.observe_step(
+                len(counts), max(counts), time.perf_counter() - t0, sched.max_draft_proposals
+            )
         assert not rejected, rejected
         if step_log is not None:
             prefill = any(c - w > 1 for c, w in zip(counts, widths, strict=True)) or bool(new)

@@ -281,3 +281,47 @@ def test_a_minor_2_peer_and_a_minor_3_peer_read_each_others_worker_errors() -> N
     got = codec.decode([bytes(f) for f in frames])
     assert isinstance(got, m.WorkerError)
     assert got.step_id == 9 and got.req_id == "r" and got.field is None
+
+
+class SchedulerOutputV3(msgspec.Struct, tag="sched", array_like=True, gc=False):
+    """SchedulerOutput as a minor-3 peer knows it (before ``max_draft_proposals``)."""
+
+    step_id: int
+    new_requests: list[m.NewRequest]
+    req_ids: list[str]
+    num_scheduled_tokens: m.Array
+    num_draft_tokens: m.Array
+    draft_token_ids: m.Array
+    finished_req_ids: list[str]
+    aborted_req_ids: list[str]
+    structured_req_ids: list[str]
+    cu_bitmask_rows: m.Array | None = None
+    grammar_bitmask: m.Array | None = None
+    pending_structured_output_tokens: bool = False
+    draft_widths_are_caps: bool = False
+    deferred_req_ids: list[str] = msgspec.field(default_factory=list)
+
+
+def test_a_minor_3_peer_and_a_minor_4_peer_read_each_others_steps() -> None:
+    """Minor 4 added ``SchedulerOutput.max_draft_proposals`` last: an old worker reads a new
+    scheduler's step (the cap is ignored: it drafts its own widths), and a new worker reads an
+    old scheduler's step as uncapped (-1)."""
+    assert m.PROTOCOL_MINOR >= 4
+    new = msgspec.structs.replace(sched_output(3), max_draft_proposals=0)
+    frames = Codec().encode(new)
+    _major, _minor, body = msgspec.msgpack.decode(
+        bytes(frames[0]), type=tuple[int, int, msgspec.Raw]
+    )
+    assert _minor == m.PROTOCOL_MINOR
+    fields = msgspec.msgpack.decode(body)  # the array-like struct: tag, then fields in order
+    assert fields[0] == "sched" and fields[-1] == 0
+    assert len(fields) == 1 + len(SchedulerOutputV3.__struct_fields__) + 1
+
+    codec = Codec()
+    old = SchedulerOutputV3(
+        **{f: getattr(new, f) for f in SchedulerOutputV3.__struct_fields__}  # type: ignore[arg-type]
+    )
+    got = codec.decode([bytes(f) for f in codec.encode_versioned(old, m.PROTOCOL_MAJOR, 3)])
+    assert isinstance(got, m.SchedulerOutput)
+    assert got.max_draft_proposals == -1 and got.req_ids == new.req_ids
+    assert np.array_equal(got.num_scheduled_tokens, new.num_scheduled_tokens)

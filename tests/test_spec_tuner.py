@@ -3,7 +3,7 @@ greedy output stays equal to target-only greedy while it changes widths."""
 
 from __future__ import annotations
 
-from scheduler_client.spec_tuner import SpeculationTuner, expected_tokens
+from scheduler_client.spec_tuner import EXPLORE_EVERY, SpeculationTuner, expected_tokens
 from tests.driver import Req, run
 from tests.models import greedy_reference, reference_copy, tiny_model
 from worker.drafters.ngram import NgramDrafter
@@ -11,13 +11,25 @@ from worker.model_executor import ModelExecutor
 from worker.runner import ModelRunner
 
 
-def settle(tuner: SpeculationTuner, n: int, cost: dict[int, float], alpha: float) -> int:
-    """Drive the tuner with a fixed cost per width; returns its final choice."""
-    k = 0
-    for _ in range(20):
-        k = tuner.choose([alpha] * n, [4] * n)
-        tuner.observe_step(n, 1 + k, cost[1 + k])
-    return tuner.choose([alpha] * n, [4] * n)
+def settle(
+    tuner: SpeculationTuner,
+    n: int,
+    cost: dict[int, float],
+    alpha: float,
+    draft_cost: float = 0.0,
+    steps: int = 30,
+) -> int:
+    """Drive the tuner as the scheduler does: each step verifies what the last one proposed
+    (``choose``), proposes for the next (``propose``), and costs verifying ``cost[1 + K]`` plus
+    ``draft_cost`` per proposed draft. Returns the width it settled on (verified = proposed)."""
+    avail, k, p = 0, 0, 0
+    for _ in range(steps):
+        k = tuner.choose([alpha] * n, [avail] * n)
+        p = tuner.propose([alpha] * n, [4] * n)
+        tuner.observe_step(n, 1 + k, cost[1 + k] + draft_cost * p, p)
+        avail = p
+    assert k == p, (k, p)
+    return k
 
 
 def test_flat_cost_speculates_fully_and_costly_verification_turns_it_off() -> None:
@@ -37,6 +49,41 @@ def test_low_acceptance_stops_speculation() -> None:
     mild = {w: 1.0 + 0.05 * (w - 1) for w in range(1, 6)}
     assert settle(SpeculationTuner(4), 4, mild, 0.02) == 0
     assert settle(SpeculationTuner(4), 4, mild, 0.9) == 4
+
+
+def test_a_slow_drafter_turns_drafting_off() -> None:
+    """Verifying costs nothing extra (batch 1 on a GPU) but each draft costs the drafter half a
+    step (an EAGLE head or a draft model run k times): at acceptance 0.3 no width pays, so the
+    tuner proposes nothing and the drafter stops working. A cheap drafter at acceptance 0.8
+    keeps full width."""
+    flat = {w: 1.0 for w in range(1, 6)}
+    assert settle(SpeculationTuner(4), 1, flat, 0.3, draft_cost=0.5) == 0
+    assert settle(SpeculationTuner(4), 1, flat, 0.8, draft_cost=0.01) == 4
+
+
+def test_steps_switching_widths_are_not_measured() -> None:
+    """Verify K, propose P: counted when P == K, or 0 < K < P (a drafter found fewer than
+    asked); a step that verified drafts and proposed fewer, or proposed drafts it did not
+    verify, costs neither width's price."""
+    tuner = SpeculationTuner(4)
+    tuner.observe_step(1, 5, 1.0, 0)  # verified 4, drafted none: cheaper than width 5 is
+    tuner.observe_step(1, 1, 9.0, 4)  # verified none, drafted 4: dearer than width 1 is
+    assert 1 not in tuner._buckets
+    tuner.observe_step(1, 5, 2.0, 4)
+    tuner.observe_step(1, 3, 1.5, 4)
+    tuner.observe_step(1, 1, 1.0, 0)
+    tuner.observe_step(1, 2, 1.2, -1)  # no proposal cap (the worker's own widths): counted
+    assert tuner._buckets[1].seconds == {5: 2.0, 3: 1.5, 1: 1.0, 2: 1.2}
+
+
+def test_the_drafting_end_is_re_measured() -> None:
+    """Settled at zero, the tuner still proposes full width now and then (two steps: propose,
+    then verify), so a drafter that became worth it is found again."""
+    tuner = SpeculationTuner(4)
+    flat = {w: 1.0 for w in range(1, 6)}
+    settle(tuner, 1, flat, 0.3, draft_cost=0.5)
+    proposals = [tuner.propose([0.3], [4]) for _ in range(EXPLORE_EVERY * 2)]
+    assert proposals.count(4) == 4 and proposals.count(0) == len(proposals) - 4
 
 
 def test_alpha_estimate_is_smoothed_toward_the_prior() -> None:

@@ -11,9 +11,10 @@ import pytest
 
 from protocol.messages import NewRequest, SamplingParams, SchedulerOutput, StepBitmask
 from tests.driver import Req, run
-from tests.models import VOCAB, save_tiny, tiny_model
+from tests.models import VOCAB, greedy_reference, reference_copy, save_tiny, tiny_model
 from worker.config import parse_args
 from worker.daemon import build_runner
+from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.model_executor import ModelExecutor
 from worker.runner import ModelRunner, StepError
@@ -131,6 +132,49 @@ def test_a_2d_prompt_is_refused_alone_and_leaks_no_slot(runner: ModelRunner) -> 
 
 def test_a_negative_width(runner: ModelRunner) -> None:
     refuse(runner, step(1, ids=["a"], counts=[1], widths=[-2], drafts=[]), "num_draft_tokens[0]")
+
+
+def test_a_proposal_cap_out_of_range(runner: ModelRunner) -> None:
+    for cap in (-2, K + 1):
+        sched = step(1, ids=["a"], counts=[1], max_draft_proposals=cap)
+        refuse(runner, sched, "max_draft_proposals")
+
+
+def test_the_proposal_cap_bounds_the_drafts() -> None:
+    """``max_draft_proposals`` caps every request's proposal and 0 proposes nothing: the draft
+    model (which always proposes its full width) does not run at all then, and catches up on
+    the tokens it skipped when asked again. Output stays the target's greedy output."""
+    target = tiny_model("llama", 3)
+    draft = ModelExecutor(tiny_model("llama", 4), max_num_seqs=4, max_model_len=MAX_LEN)
+    r = ModelRunner(
+        ModelExecutor(target, max_num_seqs=4, max_model_len=MAX_LEN),
+        DraftModelDrafter(draft, max_num_tokens=K),
+        max_num_seqs=4,
+        max_model_len=MAX_LEN,
+        max_num_draft_tokens=K,
+    )
+    st = r.states
+    out, _ = r.execute(step(0, new=[new("a"), new("b")], ids=["a", "b"], counts=[8, 8]))
+    assert [int(st.num_drafts[st.slot_of[x]]) for x in "ab"] == [K, K]
+    tokens = {x: [int(t)] for x, t in zip("ab", out.sampled_token_ids, strict=True)}
+    for i, cap in enumerate((1, 0, 0, -1, 2), start=1):
+        drafts = [int(st.num_drafts[st.slot_of[x]]) for x in "ab"]
+        before = r.drafter.num_computed.copy()  # type: ignore[attr-defined]
+        out, _ = r.execute(
+            step(i, ids=["a", "b"], counts=[1 + w for w in drafts], widths=drafts,
+                 max_draft_proposals=cap)
+        )  # fmt: skip
+        cu = np.cumsum([0, *out.num_sampled])
+        for j, x in enumerate("ab"):
+            tokens[x] += out.sampled_token_ids[cu[j] : cu[j + 1]].tolist()
+        want = K if cap < 0 else cap
+        assert [int(st.num_drafts[st.slot_of[x]]) for x in "ab"] == [want, want]
+        if cap == 0:  # the drafter ran nothing: its cache did not move
+            assert (r.drafter.num_computed == before).all()  # type: ignore[attr-defined]
+    got = r.take_draft_tokens()
+    assert got is not None and np.asarray(got.num_draft_tokens).tolist() == [2, 2]
+    ref = greedy_reference(reference_copy(target), PROMPT, len(tokens["a"]))
+    assert tokens["a"] == tokens["b"] == ref
 
 
 def test_duplicate_ids(runner: ModelRunner) -> None:

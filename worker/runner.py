@@ -123,7 +123,7 @@ class ModelRunner:
         num_sampled = self.commit(batch, tokens, num_accepted)
         if self.drafter.needs_hidden_states:
             self.feed_hidden_states(batch, hidden, num_accepted)
-        self.propose_drafts(batch)
+        self.propose_drafts(batch, sched.max_draft_proposals)
         self.num_steps += 1
         return self.output(sched.step_id, batch, tokens, num_sampled, num_accepted), rejected
 
@@ -265,13 +265,17 @@ class ModelRunner:
             states[torch.tensor(rows, device=hidden.device)],
         )
 
-    def propose_drafts(self, batch: StepBatch) -> None:
+    def propose_drafts(self, batch: StepBatch, cap: int = -1) -> None:
+        """Drafts for every request that sampled: at most its own width, the room left in its
+        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap)."""
         st = self.states
         slots = [batch.slots[i] for i in batch.sample_idx]
         req_ids = [batch.req_ids[i] for i in batch.sample_idx]
         widths = [
             int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in slots
         ]
+        if cap >= 0:
+            widths = [min(w, cap) for w in widths]
         self._last_probs, self._last_row_of = None, {}
         if not slots:
             return

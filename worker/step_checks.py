@@ -108,6 +108,11 @@ def check_step(
             f"draft_token_ids[{j}]",
             f"{drafts[j]} is neither -1 (the worker's own draft) nor in 0..{vocab - 1}",
         )
+    if not -1 <= sched.max_draft_proposals <= k:
+        raise fault(
+            "max_draft_proposals",
+            f"{sched.max_draft_proposals} is outside -1..{k} (-1: each request's own width)",
+        )
     for name in (
         "req_ids",
         "finished_req_ids",
