@@ -13,7 +13,9 @@ as streamed chat completions, closed loop at each concurrency (a new request as 
 open loop at ``--rate`` requests/s (Poisson). Rows: output tok/s, TTFT and TPOT p50/p99, and
 acceptance from the scheduler's /metrics. Then the in-process runner (bench/lossless_bench.py's
 functions, no scheduler, no sockets) decodes the same unconstrained prompts, ``c`` at once for
-each concurrency ``c``: the ceiling the served rows are measured against.
+each concurrency ``c``: the ceiling the served rows are measured against. Last, transformers' own
+static-cache decode step replayed from a CUDA graph (bench/hf_graph.py) at batch 1 and at the
+largest concurrency: the plain-HF loop the no-drafts rows must beat.
 ``--load-format dummy`` serves seeded random weights for a config.json folder
 (bench/configs/llama-1b, llama-8b); the EAGLE rows need the head's target and are skipped there.
 """
@@ -170,6 +172,35 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
     return rows
 
 
+def hf_graph(a: argparse.Namespace) -> list[dict[str, Any]]:
+    """transformers' own static-cache decode step replayed from a CUDA graph (bench/hf_graph.py),
+    at batch 1 and at the largest concurrency: the plain-HF ceiling the no-drafts rows must beat."""
+    import torch
+
+    from bench.hf_graph import check_against_generate, load_sdpa, measure
+
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, a.dtype) if a.dtype else None
+    model = load_sdpa(a.model, device, dtype, a.load_format)
+    check_against_generate(model, 32, 16)
+    rows = []
+    for c in sorted({1, max(a.concurrencies)}):
+        r = measure(model, c, 256, a.max_tokens)
+        rows.append(
+            {
+                "path": "hf-graph",
+                "drafter": "none",
+                "mode": "-",
+                "load": f"c={c}",
+                "output_tok_s": round(c * 1000 / r["step_ms"], 2),
+                "tpot": {"p50_ms": round(r["step_ms"], 3), "p99_ms": "-"},
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    del model
+    return rows
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     def ms(r: dict[str, Any], key: str, q: str) -> str:
         return str(r.get(key, {}).get(q, "-"))
@@ -208,7 +239,10 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="of the Poisson arrivals")
     ap.add_argument(
-        "--paths", nargs="+", default=["served", "in-process"], choices=("served", "in-process")
+        "--paths",
+        nargs="+",
+        default=["served", "in-process", "hf-graph"],
+        choices=("served", "in-process", "hf-graph"),
     )
     ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
     ap.add_argument("--json-out", default=None)
@@ -224,6 +258,8 @@ def main() -> None:
             rows += served(a, drafter, mode, [chat_body(w) for w in bodies])
     if "in-process" in a.paths:
         rows += in_process(a, bodies)
+    if "hf-graph" in a.paths:
+        rows += hf_graph(a)
     print(table(rows))
     if a.json_out:
         with open(a.json_out, "w") as f:
