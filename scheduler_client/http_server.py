@@ -89,6 +89,15 @@ class Frontend:
     def num_active(self) -> int:
         return sum(lp.num_active for lp in self.loops)
 
+    def health(self) -> str:
+        """ "ok", "draining", "stopped", or the first engine's state that is not "ok"
+        ("recovering", "stalled"; see ``EngineLoop.health``)."""
+        if not self.alive:
+            return "stopped"
+        if self.draining:
+            return "draining"
+        return next((h for h in (lp.health() for lp in self.loops) if h != "ok"), "ok")
+
     def pick(self) -> EngineLoop:
         """The least busy engine whose worker is still there."""
         alive = [lp for lp in self.loops if lp.failed is None] or self.loops
@@ -117,9 +126,8 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:
         f = self.frontend
         if self.path == "/health":
-            ok = f.alive and not f.draining
-            status = HTTPStatus.OK if ok else HTTPStatus.SERVICE_UNAVAILABLE
-            state = "ok" if ok else ("draining" if f.alive else "stopped")
+            state = f.health()
+            status = HTTPStatus.OK if state == "ok" else HTTPStatus.SERVICE_UNAVAILABLE
             self._json(status, {"status": state, "active_requests": f.num_active})
         elif self.path == "/metrics":
             data = generate_latest(f.registry)
@@ -287,6 +295,8 @@ class _Handler(BaseHTTPRequestHandler):
             return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise api.ApiError(400, f"the body is not valid JSON: {e}") from None
+        except RecursionError:
+            raise api.ApiError(400, "the body is nested too deeply to parse") from None
 
     def _sse(self, obj: dict[str, Any]) -> None:
         self.wfile.write(b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n")

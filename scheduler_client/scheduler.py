@@ -30,6 +30,7 @@ from scheduler_client.bitmask_rows import deferred_rows, step_rows
 from scheduler_client.grammar import GrammarBackend, GrammarError
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
+from scheduler_client.request_checks import request_problem
 from scheduler_client.spec_tuner import SpeculationTuner
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
@@ -139,7 +140,10 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.requests[req.req_id] = req
         limit = self.limits.max_model_len
-        if not req.prompt_ids:
+        problem = request_problem(req, self.limits.vocab_size)
+        if problem is not None:
+            req.finish("error", problem)
+        elif not req.prompt_ids:
             req.finish("error", "the prompt is empty")
         elif len(req.prompt_ids) >= limit:
             req.finish(
@@ -163,6 +167,10 @@ class Scheduler:
                     req.matcher = self.grammar.matcher(req.structured)
                 except GrammarError as e:
                     req.finish("error", str(e))
+                except Exception as e:
+                    # an untrusted spec (a schema nested past the recursion limit, ...): this
+                    # request's fault, never the engine's
+                    req.finish("error", f"invalid {req.structured.kind} spec: {e!r:.300}")
         if self.tokenizer is not None and req.detok is None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         if not req.finished:
@@ -416,7 +424,13 @@ class Scheduler:
             w = int(out.num_draft_tokens[i])
             req.metrics.record_step(w, accepted, n)
             req.num_judged += min(w, accepted + 1)
-            self._commit(req, tokens)
+            try:
+                self._commit(req, tokens)
+            except Exception as e:
+                # a grammar or detokenizer failure on this request's tokens ends this request;
+                # its neighbours in the step commit as usual
+                if not req.finished:
+                    self._finish(req, "error", f"committing sampled tokens failed: {e!r:.300}")
             if req.finished:
                 done.append(req)
         return done
