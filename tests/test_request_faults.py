@@ -13,18 +13,34 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import zmq
 
-from protocol.messages import SamplingParams
+from protocol import (
+    PROTOCOL_MAJOR,
+    PROTOCOL_MINOR,
+    SamplingParams,
+    TransportConfig,
+    WorkerReady,
+    bind_router,
+)
 from scheduler_client import Engine, EngineConfig
-from scheduler_client.engine_loop import EngineLoop, Refused
 from scheduler_client.request import Request
 from scheduler_client.restart_budget import RestartBudget
 from tests.daemons import log_messages, wait_until
-from tests.test_faults import StreamReader, kill_worker
+from tests.models import (
+    BYTE_MODEL_SEED,
+    BYTE_VOCAB,
+    EOS_ID,
+    greedy_reference,
+    reference_copy,
+    tiny_model,
+)
+from tests.test_faults import StreamReader, call_all, kill_worker
 from tests.test_scheduler_daemon import Daemon, start_daemon
 
 GOOD = {"prompt": "the cat sat on the mat. the cat", "max_tokens": 200, "ignore_eos": True}
@@ -84,7 +100,9 @@ def post_raw(d: Daemon, data: bytes) -> tuple[int, Any]:
 def restarts(d: Daemon) -> float:
     status, text = d.call("/metrics", key=None)
     assert status == 200
-    (line,) = [x for x in text.splitlines() if x.startswith("specd_scheduler_worker_restarts_total")]
+    (line,) = [
+        x for x in text.splitlines() if x.startswith("specd_scheduler_worker_restarts_total")
+    ]
     return float(line.split()[1])
 
 
@@ -117,3 +135,280 @@ def test_hostile_requests_fail_alone_while_a_greedy_stream_runs(
     finally:
         d.proc.kill()
         d.proc.wait(timeout=30)
+
+
+# -- the Python API ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def engine(model: Path) -> Iterator[Engine]:
+    e = Engine(
+        EngineConfig(
+            model=str(model),
+            device="cpu",
+            max_model_len=256,
+            handshake_timeout_s=180,
+            step_timeout_s=300,
+            max_worker_restarts=0,
+        )
+    )
+    try:
+        yield e
+    finally:
+        e.close()
+
+
+@pytest.fixture(scope="module")
+def reference() -> Any:
+    return reference_copy(tiny_model("llama", BYTE_MODEL_SEED, vocab=BYTE_VOCAB))
+
+
+def check_good(engine: Engine, reference: Any, req: Request, prompt: list[int], n: int) -> None:
+    """``req`` finished normally with the plain greedy output, on the worker it started with."""
+    assert req.error is None and req.finish_reason == "length", req.error
+    assert req.output_ids == greedy_reference(reference, prompt, n)
+    assert engine.num_worker_restarts == 0
+    assert engine.proc is not None and engine.proc.poll() is None
+
+
+def test_add_request_fails_bad_input_with_a_clear_error(engine: Engine, reference: Any) -> None:
+    cases: list[tuple[dict[str, Any], str]] = [
+        ({"prompt": [1, 2**31 + 5]}, "prompt token ids[1] = 2147483653 is outside the vocabulary"),
+        ({"prompt": [1, BYTE_VOCAB]}, f"is outside the vocabulary (0..{BYTE_VOCAB - 1})"),
+        ({"prompt": [1, "2"]}, "prompt token ids[1] must be an integer token id, got str"),
+        ({"prompt": [1, 2.0]}, "prompt token ids[1] must be an integer token id, got float"),
+        ({"prompt": "go", "seed": 2**70}, "seed must be an integer in"),
+        ({"prompt": "go", "max_tokens": 2**64}, "max_tokens must be an integer in 1.."),
+        ({"prompt": "go", "top_k": 2**65}, "top_k must be an integer in 0..2147483647"),
+        ({"prompt": "go", "stop_token_ids": ["a"]}, "stop_token_ids[0] must be an integer"),
+        ({"prompt": "go", "temperature": float("nan")}, "temperature must be a finite number"),
+        ({"prompt": "go", "top_p": 0.0}, "top_p must be a number in (0, 1]"),
+        ({"prompt": "go", "structured": {"json": nested_schema(500)}}, "invalid json spec"),
+    ]
+    for kwargs, message in cases:
+        req = engine.add_request(max_tokens=kwargs.pop("max_tokens", 8), **kwargs)
+        assert req.finished and req.finish_reason == "error", kwargs
+        assert message in (req.error or ""), (kwargs, req.error)
+        assert req not in engine.scheduler.waiting
+    with pytest.raises(RuntimeError, match="seed must be an integer"):
+        list(engine.stream("go", seed=2**70))
+    prompt = list(b"abcabc")
+    (good,) = engine.generate([{"prompt": prompt, "max_tokens": 12, "ignore_eos": True}])
+    check_good(engine, reference, good, prompt, 12)
+
+
+def slip_in(engine: Engine, req_id: str, **sampling: Any) -> Request:
+    """A request put straight into the scheduler's queue, past every check: what a gap in the
+    checks would let through to the wire."""
+    req = Request(req_id, list(b"hello"), SamplingParams(max_tokens=8, **sampling), 0)
+    engine.scheduler.requests[req_id] = req
+    engine.scheduler.waiting.append(req)
+    return req
+
+
+@pytest.mark.parametrize(
+    ("sampling", "message"),
+    [
+        # msgspec cannot encode it: the step never leaves, the worker is not suspected
+        ({"seed": 2**70}, "this request cannot be sent to the worker: SchedulerOutput"),
+        ({"top_k": 2**64}, "this request cannot be sent to the worker: SchedulerOutput"),
+        # it encodes, but the worker cannot decode it and answers an error naming no step
+        ({"stop_token_ids": ("a",)}, "the worker could not read this request: bad_field"),
+    ],
+)
+def test_a_request_past_the_checks_is_blamed_not_the_worker(
+    engine: Engine, reference: Any, sampling: dict[str, Any], message: str
+) -> None:
+    prompt = list(b"the cat sat")
+    good = engine.add_request(prompt, max_tokens=20, ignore_eos=True)
+    bad = slip_in(engine, f"bad-{sorted(sampling)[0]}", **sampling)
+    t0 = time.monotonic()
+    engine.run_until_done()
+    assert time.monotonic() - t0 < 60  # not the 300 s step timeout
+    assert bad.finish_reason == "error" and message in (bad.error or ""), bad.error
+    check_good(engine, reference, good, prompt, 20)
+
+
+def test_an_unexpected_worker_answer_fails_the_step_at_once(tmp_path: Path) -> None:
+    """A "worker" (a socket in this test) answers a step with a second WorkerReady: the step's
+    request fails naming it, long before the step timeout."""
+    addr = f"ipc://{tmp_path}/w.sock"
+    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+    chan = bind_router(ctx, addr, TransportConfig())
+    ready = WorkerReady(
+        protocol_major=PROTOCOL_MAJOR,
+        protocol_minor=PROTOCOL_MINOR,
+        model_name="m",
+        vocab_size=BYTE_VOCAB,
+        eos_token_ids=(EOS_ID,),
+        max_model_len=64,
+        drafter="none",
+        max_num_speculative_tokens=0,
+        kv_capacity_tokens=64,
+        max_num_seqs=2,
+    )
+    answers: list[Any] = []
+
+    def play_worker() -> None:
+        for _ in range(2):  # the hello, then the step
+            got = chan.recv(timeout_ms=120_000)
+            assert got is not None, "the scheduler went quiet"
+            answers.append(got[1])
+            chan.send(ready, got[0])
+
+    worker = threading.Thread(target=play_worker)
+    worker.start()
+    e = None
+    try:
+        e = Engine(EngineConfig(worker_addr=addr, handshake_timeout_s=60, step_timeout_s=300))
+        req = e.add_request([1, 2, 3], max_tokens=4)
+        t0 = time.monotonic()
+        assert e.step() == [req]
+        assert time.monotonic() - t0 < 30
+        assert req.finish_reason == "error", req.error
+        assert "the worker answered step 0 with WorkerReady" in (req.error or "")
+    finally:
+        worker.join(timeout=150)
+        if e is not None:
+            e.close()
+        chan.close()
+        ctx.term()
+    assert [type(m).__name__ for m in answers] == ["SchedulerHello", "SchedulerOutput"]
+
+
+# -- worker deaths -------------------------------------------------------------------------------
+
+
+def test_the_restart_budget_is_a_rate() -> None:
+    budget = RestartBudget(2, window_s=600)
+    assert budget.take(now=0) and budget.take(now=10)
+    assert not budget.take(now=599)  # two within ten minutes: spent
+    assert budget.take(now=600)  # the first has left the window
+    assert not budget.take(now=601)
+    assert budget.take(now=1300)
+    with pytest.raises(ValueError, match="restart_window_s"):
+        RestartBudget(1, window_s=0)
+
+
+def test_restarts_spaced_past_the_window_are_each_recovered(tmp_path: Path, model: Path) -> None:
+    """One restart per second allowed: two deaths more than a second apart are both recovered
+    (a lifetime count of one would have failed everything at the second), outputs unchanged."""
+    cfg = EngineConfig(
+        model=str(model),
+        device="cpu",
+        max_model_len=256,
+        handshake_timeout_s=180,
+        step_timeout_s=300,
+        max_worker_restarts=1,
+        restart_window_s=1.0,
+    )
+    prompts = [list(b"the cat sat on the mat"), list(b"abcabcabc")]
+    batch = [{"prompt": p, "max_tokens": 60, "ignore_eos": True} for p in prompts]
+    with Engine(cfg) as e:
+        want = [r.output_ids for r in e.generate(batch)]
+        for death in (1, 2):  # new requests each time: a request at two deaths is failed
+            reqs = [e.add_request(**r) for r in batch]
+            while len(reqs[0].output_ids) < 10:
+                e.step()
+            assert e.proc is not None
+            time.sleep(1.1)  # past the window of the last restart
+            e.proc.kill()
+            e.proc.wait(timeout=30)
+            e.run_until_done()
+            assert e.num_worker_restarts == death
+            assert [r.error for r in reqs] == [None, None]
+            assert [r.output_ids for r in reqs] == want
+
+
+class HealthWatch(threading.Thread):
+    """Polls /health until stopped; ``seen`` holds each (status, state) in order, repeats
+    folded."""
+
+    def __init__(self, d: Daemon) -> None:
+        super().__init__()
+        self.d = d
+        self.stop = threading.Event()
+        self.seen: list[tuple[int, str]] = []
+
+    def run(self) -> None:
+        while not self.stop.is_set():
+            status, body = self.d.call("/health", key=None)
+            got = (status, body["status"])
+            if not self.seen or self.seen[-1] != got:
+                self.seen.append(got)
+            time.sleep(0.02)
+
+
+def test_a_request_running_at_two_worker_deaths_is_failed(tmp_path: Path, model: Path) -> None:
+    d = start_daemon(tmp_path, model, "--max-worker-restarts", "3")
+    watch = HealthWatch(d)
+    try:
+        stream = StreamReader(d, {**GREEDY, "max_tokens": 350})
+        stream.start()
+        assert stream.first.wait(timeout=120), "the stream never started"
+        watch.start()
+        first = kill_worker(d)
+        # the replayed stream runs again on the relaunched worker before the second death
+        seen = len(stream.events)
+        wait_until(lambda: len(stream.events) > seen + 3, 120, "the replayed stream")
+        kill_worker(d, old=first)
+        stream.join(timeout=300)
+        assert stream.events[-1] == "[DONE]", stream.events[-3:]
+        err = stream.events[-2]["error"]
+        assert "the worker died 2 times while running this request" in err["message"], err
+        # the daemon recovers from the second death and serves on
+        wait_until(lambda: d.call("/health", key=None)[0] == 200, 120, "recovery")
+        status, body = d.call("/v1/completions", {**GREEDY, "max_tokens": 8})
+        assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
+        assert restarts(d) == 2 and d.proc.poll() is None
+        watch.stop.set()
+        watch.join(timeout=60)
+        assert (503, "recovering") in watch.seen, watch.seen
+        assert watch.seen[-1] == (200, "ok"), watch.seen
+    finally:
+        watch.stop.set()
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        if watch.is_alive():
+            watch.join(timeout=60)
+
+
+def test_64_streams_survive_a_kill_9_of_their_worker(tmp_path: Path, model: Path) -> None:
+    """The issue's "Worker loss" check: kill -9 of the worker under 64 concurrent streaming
+    greedy requests; every one completes with the output of an undisturbed run, and /health
+    answers 503 "recovering" while the worker is relaunched and the streams replayed."""
+    d = start_daemon(tmp_path, model, "--max-num-seqs", "64")
+    watch = HealthWatch(d)
+    try:
+        bodies = [
+            {"prompt": f"{i}: the cat sat on the mat", "max_tokens": 80, "ignore_eos": True}
+            for i in range(64)
+        ]
+        bodies = [{**b, "temperature": 0} for b in bodies]
+        undisturbed = call_all(d, bodies)
+        assert all(s == 200 for s, _ in undisturbed), undisturbed[0]
+        want = [b["choices"][0]["text"] for _, b in undisturbed]
+        streams = [StreamReader(d, b) for b in bodies]
+        for s in streams:
+            s.start()
+        for s in streams:
+            assert s.first.wait(timeout=120), "a stream never started"
+        watch.start()
+        kill_worker(d)
+        assert not all("[DONE]" in s.events for s in streams), "killed after the streams ended"
+        for s in streams:
+            s.join(timeout=300)
+        watch.stop.set()
+        watch.join(timeout=60)
+        assert [s.events[-1] for s in streams] == ["[DONE]"] * 64
+        assert [s.events[-2]["choices"][0]["finish_reason"] for s in streams] == ["length"] * 64
+        assert [s.text() for s in streams] == want
+        assert restarts(d) == 1
+        assert (503, "recovering") in watch.seen and watch.seen[-1] == (200, "ok"), watch.seen
+        assert any(m.startswith("worker lost (") for m in log_messages(d.log))
+    finally:
+        watch.stop.set()
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        if watch.is_alive():
+            watch.join(timeout=60)
