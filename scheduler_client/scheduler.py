@@ -493,33 +493,41 @@ class Scheduler:
                 req.draft_ids = np.zeros(0, np.int32)
                 req.last_drafts = None
                 continue
-            cap = min(
-                req.num_speculative_tokens,
-                req.sampling.max_tokens - len(req.output_ids) - 1,
-                self.limits.max_model_len - req.num_tokens,
-            )
-            cap = max(cap, 0)
-            req.last_drafts = ids
-            ids = ids[:cap]
-            if req.matcher is None:
-                req.draft_ids = np.full(len(ids), -1, np.int32)
-                continue
-            if (ids < 0).any():
-                req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
-                req.draft_ids = np.zeros(0, np.int32)
-                continue
-            valid = req.matcher.validate(ids.tolist())
-            req.metrics.num_grammar_invalid += len(ids) - valid
-            real = ids[:valid].astype(np.int32)
-            forced: list[int] = []
-            if self.config.forced_drafts and valid < cap:
-                forced = req.matcher.forced_tokens(real.tolist(), cap - valid)
-                req.metrics.num_forced += len(forced)
-            req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
-            # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
-            req.draft_ids = np.concatenate(
-                [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
-            )
+            try:
+                self._take_request_drafts(req, ids)
+            except Exception as e:
+                # the grammar failed on this request's drafts: it ends, the others take theirs
+                self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
+
+    def _take_request_drafts(self, req: Request, ids: np.ndarray) -> None:
+        """Grammar-validate one request's fresh drafts (``ids`` int32 [width])."""
+        cap = min(
+            req.num_speculative_tokens,
+            req.sampling.max_tokens - len(req.output_ids) - 1,
+            self.limits.max_model_len - req.num_tokens,
+        )
+        cap = max(cap, 0)
+        req.last_drafts = ids
+        ids = ids[:cap]
+        if req.matcher is None:
+            req.draft_ids = np.full(len(ids), -1, np.int32)
+            return
+        if (ids < 0).any():
+            req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
+            req.draft_ids = np.zeros(0, np.int32)
+            return
+        valid = req.matcher.validate(ids.tolist())
+        req.metrics.num_grammar_invalid += len(ids) - valid
+        real = ids[:valid].astype(np.int32)
+        forced: list[int] = []
+        if self.config.forced_drafts and valid < cap:
+            forced = req.matcher.forced_tokens(real.tolist(), cap - valid)
+            req.metrics.num_forced += len(forced)
+        req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
+        # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
+        req.draft_ids = np.concatenate(
+            [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
+        )
 
 
 def _clear_inflight(req: Request) -> None:

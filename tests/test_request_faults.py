@@ -31,6 +31,8 @@ from protocol import (
 from scheduler_client import Engine, EngineConfig
 from scheduler_client.request import Request
 from scheduler_client.restart_budget import RestartBudget
+from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
+from scheduler_client.tokenizer import TokenizerInfo
 from tests.daemons import log_messages, wait_until
 from tests.models import (
     BYTE_MODEL_SEED,
@@ -40,7 +42,7 @@ from tests.models import (
     reference_copy,
     tiny_model,
 )
-from tests.test_faults import StreamReader, call_all, kill_worker
+from tests.test_faults import StreamReader, call_all, kill_worker, sampled
 from tests.test_scheduler_daemon import Daemon, start_daemon
 
 GOOD = {"prompt": "the cat sat on the mat. the cat", "max_tokens": 200, "ignore_eos": True}
@@ -412,3 +414,33 @@ def test_64_streams_survive_a_kill_9_of_their_worker(tmp_path: Path, model: Path
         d.proc.wait(timeout=30)
         if watch.is_alive():
             watch.join(timeout=60)
+
+
+def test_a_failure_while_committing_one_request_ends_it_alone(model: Path) -> None:
+    """A request whose delta callback raises (user code, run while its tokens are committed)
+    ends with that error; its neighbour in the step commits and finishes as usual."""
+    tok = TokenizerInfo(str(model))
+    limits = WorkerLimits(
+        vocab_size=BYTE_VOCAB,
+        eos_token_ids=(EOS_ID,),
+        max_model_len=64,
+        max_num_speculative_tokens=0,
+        max_num_seqs=4,
+    )
+    s = Scheduler(SchedulerConfig(), limits, tok, None)
+    loud = s.add(Request("loud", tok.encode("go"), SamplingParams(max_tokens=3), 0))
+    calm = s.add(Request("calm", tok.encode("go"), SamplingParams(max_tokens=2), 0))
+
+    def explode(_req: Request, _text: str) -> None:
+        raise ValueError("the reader is gone")
+
+    loud.on_delta = explode
+    a, b = tok.encode("a")[0], tok.encode("b")[0]
+    assert s.schedule() is not None
+    assert s.update(sampled(0, {"loud": [a], "calm": [a]})) == [loud]
+    assert loud.finish_reason == "error"
+    assert loud.error == "committing sampled tokens failed: ValueError('the reader is gone')"
+    step = s.schedule()
+    assert step is not None and step.req_ids == ["calm"] and step.aborted_req_ids == ["loud"]
+    assert s.update(sampled(1, {"calm": [b]})) == [calm]
+    assert calm.finish_reason == "length" and calm.text == "ab"
