@@ -303,9 +303,7 @@ class Engine:
         except StepRefused as e:
             return ended + self._refused(cur, e)
         self._sent_mono.pop(cur.step_id, None)
-        self.outstanding_since = (
-            self._sent_mono.get(self.in_flight[0].step_id) if self.in_flight else None
-        )
+        self._mark_outstanding()
         now = time.perf_counter()
         # the worker's time for this step: from its send, or from the last output when the
         # step was already queued behind that one (overlap)
@@ -365,9 +363,15 @@ class Engine:
     def _refuse(self, cur: SchedulerOutput, names: list[str], message: str) -> list[Request]:
         self._sent_s.pop(cur.step_id, None)
         self._sent_mono.pop(cur.step_id, None)
+        self._mark_outstanding()
         ended = refuse_step(self.scheduler, cur, names, message, last=True)
         self._send_deferred()
         return ended
+
+    def _mark_outstanding(self) -> None:
+        """The oldest step still in flight is now the one that may stall."""
+        first = self.in_flight[0].step_id if self.in_flight else None
+        self.outstanding_since = None if first is None else self._sent_mono.get(first)
 
     def _take_ended(self) -> list[Request]:
         ended, self._ended = self._ended, []

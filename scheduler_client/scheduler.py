@@ -525,9 +525,7 @@ class Scheduler:
             req.metrics.num_forced += len(forced)
         req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
         # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
-        req.draft_ids = np.concatenate(
-            [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
-        )
+        req.draft_ids = np.concatenate([np.full(valid, -1, np.int32), np.asarray(forced, np.int32)])
 
 
 def _clear_inflight(req: Request) -> None:

@@ -23,12 +23,16 @@ import zmq
 from protocol import (
     PROTOCOL_MAJOR,
     PROTOCOL_MINOR,
+    Ping,
     SamplingParams,
+    SchedulerOutput,
     TransportConfig,
+    WorkerError,
     WorkerReady,
     bind_router,
 )
 from scheduler_client import Engine, EngineConfig
+from scheduler_client.engine_loop import EngineLoop
 from scheduler_client.request import Request
 from scheduler_client.restart_budget import RestartBudget
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
@@ -231,38 +235,68 @@ def test_a_request_past_the_checks_is_blamed_not_the_worker(
     check_good(engine, reference, good, prompt, 20)
 
 
+READY = WorkerReady(
+    protocol_major=PROTOCOL_MAJOR,
+    protocol_minor=PROTOCOL_MINOR,
+    model_name="m",
+    vocab_size=BYTE_VOCAB,
+    eos_token_ids=(EOS_ID,),
+    max_model_len=64,
+    drafter="none",
+    max_num_speculative_tokens=0,
+    kv_capacity_tokens=64,
+    max_num_seqs=2,
+)
+
+
+class PlayedWorker(threading.Thread):
+    """A worker played by a socket in this test: answers the hello with ``READY``, takes the
+    first step, waits for ``go``, then answers it with ``answer(step)``. ``got`` names what it
+    received (pings aside)."""
+
+    def __init__(self, addr: str, answer: Any) -> None:
+        super().__init__()
+        self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self.chan = bind_router(self.ctx, addr, TransportConfig())
+        self.answer = answer
+        self.go = threading.Event()
+        self.got: list[str] = []
+
+    def run(self) -> None:
+        replies = 0
+        deadline = time.monotonic() + 120
+        while replies < 2 and time.monotonic() < deadline:
+            got = self.chan.recv(timeout_ms=100)
+            if got is None or isinstance(got[1], Ping):
+                continue
+            self.got.append(type(got[1]).__name__)
+            if isinstance(got[1], SchedulerOutput):
+                assert self.go.wait(timeout=60), "the test never let the step answer"
+                self.chan.send(self.answer(got[1]), got[0])
+            else:
+                self.chan.send(READY, got[0])
+            replies += 1
+
+    def close(self) -> None:
+        self.go.set()
+        self.join(timeout=150)
+        self.chan.close()
+        self.ctx.term()
+
+
 def test_an_unexpected_worker_answer_fails_the_step_at_once(tmp_path: Path) -> None:
-    """A "worker" (a socket in this test) answers a step with a second WorkerReady: the step's
-    request fails naming it, long before the step timeout."""
-    addr = f"ipc://{tmp_path}/w.sock"
-    ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-    chan = bind_router(ctx, addr, TransportConfig())
-    ready = WorkerReady(
-        protocol_major=PROTOCOL_MAJOR,
-        protocol_minor=PROTOCOL_MINOR,
-        model_name="m",
-        vocab_size=BYTE_VOCAB,
-        eos_token_ids=(EOS_ID,),
-        max_model_len=64,
-        drafter="none",
-        max_num_speculative_tokens=0,
-        kv_capacity_tokens=64,
-        max_num_seqs=2,
-    )
-    answers: list[Any] = []
-
-    def play_worker() -> None:
-        for _ in range(2):  # the hello, then the step
-            got = chan.recv(timeout_ms=120_000)
-            assert got is not None, "the scheduler went quiet"
-            answers.append(got[1])
-            chan.send(ready, got[0])
-
-    worker = threading.Thread(target=play_worker)
+    """The worker answers a step with a second WorkerReady: the step's request fails naming it,
+    long before the step timeout."""
+    worker = PlayedWorker(f"ipc://{tmp_path}/w.sock", lambda _step: READY)
+    worker.go.set()
     worker.start()
     e = None
     try:
-        e = Engine(EngineConfig(worker_addr=addr, handshake_timeout_s=60, step_timeout_s=300))
+        e = Engine(
+            EngineConfig(
+                worker_addr=f"ipc://{tmp_path}/w.sock", handshake_timeout_s=60, step_timeout_s=300
+            )
+        )
         req = e.add_request([1, 2, 3], max_tokens=4)
         t0 = time.monotonic()
         assert e.step() == [req]
@@ -270,12 +304,43 @@ def test_an_unexpected_worker_answer_fails_the_step_at_once(tmp_path: Path) -> N
         assert req.finish_reason == "error", req.error
         assert "the worker answered step 0 with WorkerReady" in (req.error or "")
     finally:
-        worker.join(timeout=150)
+        worker.close()
         if e is not None:
             e.close()
-        chan.close()
-        ctx.term()
-    assert [type(m).__name__ for m in answers] == ["SchedulerHello", "SchedulerOutput"]
+    assert worker.got == ["SchedulerHello", "SchedulerOutput"]
+
+
+def test_health_says_stalled_while_a_step_is_overdue(tmp_path: Path) -> None:
+    """A step outstanding past ``stall_threshold_s``: health() is "stalled"; once the worker
+    answers (here: refusing the step) it is "ok" again."""
+    refuse = lambda step: WorkerError(code="bad_step", message="no", step_id=step.step_id)  # noqa: E731
+    worker = PlayedWorker(f"ipc://{tmp_path}/w.sock", refuse)
+    worker.start()
+    e = None
+    try:
+        e = Engine(
+            EngineConfig(
+                worker_addr=f"ipc://{tmp_path}/w.sock",
+                handshake_timeout_s=60,
+                step_timeout_s=300,
+                stall_threshold_s=0.3,
+            )
+        )
+        loop = EngineLoop(e)
+        assert loop.health() == "ok"
+        req = e.add_request([1, 2, 3], max_tokens=4)
+        stepper = threading.Thread(target=e.step)
+        stepper.start()
+        wait_until(lambda: loop.health() == "stalled", 30, "health to say stalled")
+        worker.go.set()
+        stepper.join(timeout=60)
+        assert not stepper.is_alive()
+        assert req.finish_reason == "error" and "bad_step" in (req.error or "")
+        assert loop.health() == "ok"
+    finally:
+        worker.close()
+        if e is not None:
+            e.close()
 
 
 # -- worker deaths -------------------------------------------------------------------------------
