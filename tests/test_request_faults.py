@@ -8,6 +8,7 @@ the restart budget is a rate; /health says "recovering" while a killed worker is
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
 import time
@@ -146,18 +147,21 @@ def test_hostile_requests_fail_alone_while_a_greedy_stream_runs(
 # -- the Python API ------------------------------------------------------------------------------
 
 
+def launched(model: Path, **kw: Any) -> EngineConfig:
+    """An engine that launches a CPU worker for ``model``."""
+    return EngineConfig(
+        model=str(model),
+        device="cpu",
+        max_model_len=256,
+        handshake_timeout_s=180,
+        step_timeout_s=300,
+        **kw,
+    )
+
+
 @pytest.fixture(scope="module")
 def engine(model: Path) -> Iterator[Engine]:
-    e = Engine(
-        EngineConfig(
-            model=str(model),
-            device="cpu",
-            max_model_len=256,
-            handshake_timeout_s=180,
-            step_timeout_s=300,
-            max_worker_restarts=0,
-        )
-    )
+    e = Engine(launched(model, max_worker_restarts=0))
     try:
         yield e
     finally:
@@ -360,15 +364,7 @@ def test_the_restart_budget_is_a_rate() -> None:
 def test_restarts_spaced_past_the_window_are_each_recovered(tmp_path: Path, model: Path) -> None:
     """One restart per second allowed: two deaths more than a second apart are both recovered
     (a lifetime count of one would have failed everything at the second), outputs unchanged."""
-    cfg = EngineConfig(
-        model=str(model),
-        device="cpu",
-        max_model_len=256,
-        handshake_timeout_s=180,
-        step_timeout_s=300,
-        max_worker_restarts=1,
-        restart_window_s=1.0,
-    )
+    cfg = launched(model, max_worker_restarts=1, restart_window_s=1.0)
     prompts = [list(b"the cat sat on the mat"), list(b"abcabcabc")]
     batch = [{"prompt": p, "max_tokens": 60, "ignore_eos": True} for p in prompts]
     with Engine(cfg) as e:
@@ -406,10 +402,23 @@ class HealthWatch(threading.Thread):
             time.sleep(0.02)
 
 
-def test_a_request_running_at_two_worker_deaths_is_failed(tmp_path: Path, model: Path) -> None:
-    d = start_daemon(tmp_path, model, "--max-worker-restarts", "3")
+@contextlib.contextmanager
+def watched_daemon(tmp: Path, model: Path, *flags: str) -> Iterator[tuple[Daemon, HealthWatch]]:
+    """A daemon and a /health watch on it (started by the test); both stopped on the way out."""
+    d = start_daemon(tmp, model, *flags)
     watch = HealthWatch(d)
     try:
+        yield d, watch
+    finally:
+        watch.stop.set()
+        d.proc.kill()
+        d.proc.wait(timeout=30)
+        if watch.is_alive():
+            watch.join(timeout=60)
+
+
+def test_a_request_running_at_two_worker_deaths_is_failed(tmp_path: Path, model: Path) -> None:
+    with watched_daemon(tmp_path, model, "--max-worker-restarts", "3") as (d, watch):
         stream = StreamReader(d, {**GREEDY, "max_tokens": 350})
         stream.start()
         assert stream.first.wait(timeout=120), "the stream never started"
@@ -432,21 +441,13 @@ def test_a_request_running_at_two_worker_deaths_is_failed(tmp_path: Path, model:
         watch.join(timeout=60)
         assert (503, "recovering") in watch.seen, watch.seen
         assert watch.seen[-1] == (200, "ok"), watch.seen
-    finally:
-        watch.stop.set()
-        d.proc.kill()
-        d.proc.wait(timeout=30)
-        if watch.is_alive():
-            watch.join(timeout=60)
 
 
 def test_64_streams_survive_a_kill_9_of_their_worker(tmp_path: Path, model: Path) -> None:
     """The issue's "Worker loss" check: kill -9 of the worker under 64 concurrent streaming
     greedy requests; every one completes with the output of an undisturbed run, and /health
     answers 503 "recovering" while the worker is relaunched and the streams replayed."""
-    d = start_daemon(tmp_path, model, "--max-num-seqs", "64")
-    watch = HealthWatch(d)
-    try:
+    with watched_daemon(tmp_path, model, "--max-num-seqs", "64") as (d, watch):
         bodies = [
             {"prompt": f"{i}: the cat sat on the mat", "max_tokens": 80, "ignore_eos": True}
             for i in range(64)
@@ -473,12 +474,6 @@ def test_64_streams_survive_a_kill_9_of_their_worker(tmp_path: Path, model: Path
         assert restarts(d) == 1
         assert (503, "recovering") in watch.seen and watch.seen[-1] == (200, "ok"), watch.seen
         assert any(m.startswith("worker lost (") for m in log_messages(d.log))
-    finally:
-        watch.stop.set()
-        d.proc.kill()
-        d.proc.wait(timeout=30)
-        if watch.is_alive():
-            watch.join(timeout=60)
 
 
 def test_a_failure_while_committing_one_request_ends_it_alone(model: Path) -> None:
