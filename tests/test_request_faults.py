@@ -229,14 +229,16 @@ def slip_in(engine: Engine, req_id: str, **sampling: Any) -> Request:
 def test_a_request_past_the_checks_is_blamed_not_the_worker(
     engine: Engine, reference: Any, sampling: dict[str, Any], message: str
 ) -> None:
-    prompt = list(b"the cat sat")
-    good = engine.add_request(prompt, max_tokens=20, ignore_eos=True)
+    prompt = list(b"the cat sat on the mat. the cat")
+    good = engine.add_request(prompt, max_tokens=30, ignore_eos=True)
+    while len(good.output_ids) < 5:  # decoding, with drafts the worker holds, when bad arrives
+        engine.step()
     bad = slip_in(engine, f"bad-{sorted(sampling)[0]}", **sampling)
     t0 = time.monotonic()
     engine.run_until_done()
     assert time.monotonic() - t0 < 60  # not the 300 s step timeout
     assert bad.finish_reason == "error" and message in (bad.error or ""), bad.error
-    check_good(engine, reference, good, prompt, 20)
+    check_good(engine, reference, good, prompt, 30)
 
 
 READY = WorkerReady(
