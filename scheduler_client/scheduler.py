@@ -141,8 +141,8 @@ class Scheduler:
         self.requests[req.req_id] = req
         limit = self.limits.max_model_len
         problem = request_problem(req, self.limits.vocab_size)
-        if problem is not None:
-            req.finish("error", problem)
+        if not isinstance(req.prompt_ids, list | tuple):
+            req.finish("error", problem or "the prompt must be a list of token ids")
         elif not req.prompt_ids:
             req.finish("error", "the prompt is empty")
         elif len(req.prompt_ids) >= limit:
@@ -151,14 +151,14 @@ class Scheduler:
                 f"prompt of {len(req.prompt_ids)} tokens is too long: the model "
                 f"takes at most {limit - 1} prompt tokens (max_model_len {limit})",
             )
+        elif problem is not None:  # types, ids and the widths the wire carries
+            req.finish("error", problem)
         elif not 0 <= req.num_speculative_tokens <= self.limits.max_num_speculative_tokens:
             req.finish(
                 "error",
                 f"num_speculative_tokens {req.num_speculative_tokens} is outside "
                 f"0..{self.limits.max_num_speculative_tokens} (the worker's maximum)",
             )
-        elif req.sampling.max_tokens < 1:
-            req.finish("error", "max_tokens must be >= 1")
         elif req.structured is not None:
             if self.grammar is None:
                 req.finish("error", "structured outputs need a tokenizer and a grammar backend")
