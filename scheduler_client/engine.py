@@ -26,15 +26,20 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
 
+import numpy as np
+
 from protocol.messages import SamplingParams, SchedulerOutput
 from protocol.transport import TransportConfig
 from scheduler_client.grammar import SpecKind, StructuredSpec, make_backend
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.prom import SchedulerMetrics
 from scheduler_client.request import Request
+from scheduler_client.restart_budget import RestartBudget
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
+from scheduler_client.step_blame import blame
+from scheduler_client.step_faults import refuse_step
 from scheduler_client.tokenizer import TokenizerInfo
-from scheduler_client.worker_client import StepRefused, WorkerClient, WorkerDied
+from scheduler_client.worker_client import StepRefused, Unsendable, WorkerClient, WorkerDied
 
 log = logging.getLogger("specd.scheduler")
 
@@ -64,17 +69,31 @@ class EngineConfig:
     handshake_timeout_s: float = 600.0
     worker_log: str | None = None  # file for the launched worker's stderr; None: inherit
     # After a worker death: relaunch it (when we launched it) or wait for a new one at worker_addr,
-    # then replay every in-flight request from prompt + committed tokens. 0 disables.
+    # then replay every in-flight request from prompt + committed tokens, at most
+    # max_worker_restarts times within any restart_window_s seconds (0 disables). A request that
+    # was running at two deaths is failed, not replayed again.
     max_worker_restarts: int = 3
+    restart_window_s: float = 600.0
+    # health() says "stalled" while a step has been outstanding longer than this
+    stall_threshold_s: float = 60.0
     metrics_port: int = 0  # Prometheus endpoint of the scheduler (0: off; -1: any free port)
     metrics_host: str = "127.0.0.1"  # the address it binds (the daemon passes its --host)
     # CURVE keys for a tcp:// worker_addr (launched workers use ipc:// and need none)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
+    def __post_init__(self) -> None:
+        if self.max_worker_restarts < 0:
+            raise ValueError("--max-worker-restarts must be >= 0 (0: never restart)")
+        if self.restart_window_s <= 0:
+            raise ValueError("--restart-window-s must be > 0 seconds")
+        if self.stall_threshold_s <= 0:
+            raise ValueError("--stall-threshold-s must be > 0 seconds")
+
 
 class Engine:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        self.restarts = RestartBudget(config.max_worker_restarts, config.restart_window_s)
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self.addr = config.worker_addr or self._launch()
@@ -123,9 +142,16 @@ class Engine:
         self.in_flight: collections.deque[SchedulerOutput] = collections.deque()
         self._last_output_s = time.perf_counter()
         self._sent_s: dict[int, float] = {}
+        self._sent_mono: dict[int, float] = {}  # step_id -> monotonic send time (health)
         self.num_deferred_bitmasks = 0
         self._ids = itertools.count()
         self.started_s = time.monotonic()
+        # Read by other threads (health): plain attributes, each set in one assignment.
+        self.recovering = False  # a worker relaunch, handshake and replay is under way
+        self.outstanding_since: float | None = None  # monotonic send time of the oldest step
+        # overlap: steps after the current one that the worker could not read, with their culprits
+        self._lost: dict[int, tuple[list[str], str]] = {}
+        self._ended: list[Request] = []  # requests a step fault ended, returned by step()
 
     def _client(self) -> WorkerClient:
         return WorkerClient(
@@ -209,7 +235,7 @@ class Engine:
                 top_k=top_k,
                 seed=seed,
                 max_tokens=max_tokens,
-                stop_token_ids=tuple(stop_token_ids or ()),
+                stop_token_ids=tuple(_plain_ints(list(stop_token_ids or ()))),
             ),
             num_speculative_tokens=k,
             stop=tuple(stop or ()),
@@ -224,7 +250,7 @@ class Engine:
         if (prompt is None) == (messages is None):
             raise ValueError("give exactly one of prompt and messages")
         if isinstance(prompt, list):
-            return [int(t) for t in prompt]
+            return _plain_ints(prompt)  # checked by the scheduler (request_checks.py)
         if self.tokenizer is None:
             raise ValueError("this worker reported no tokenizer: send token ids")
         text = prompt if prompt is not None else self.tokenizer.apply_chat_template(messages or [])
@@ -249,38 +275,40 @@ class Engine:
         overlap (``async_scheduling``) the next step is sent before this one's output is read,
         and its deferred grammar rows follow once this one's tokens are committed."""
         sch = self.scheduler
+        ended, self._ended = self._ended, []
         try:
             if not self.in_flight:
                 sched = sch.schedule()
                 if sched is None:
-                    return []
+                    return ended
                 self._send(sched)
+                if not self.in_flight:  # it could not be sent: its culprits are ended
+                    return ended + self._take_ended()
             if self.overlap and len(self.in_flight) == 1:
                 nxt = sch.schedule()
                 if nxt is not None:
                     self._send(nxt)
             cur = self.in_flight.popleft()
+            if cur.step_id in self._lost:
+                names, message = self._lost.pop(cur.step_id)
+                return ended + self._refuse(cur, names, message)
+            self.outstanding_since = self._sent_mono.get(cur.step_id)
             result = self.client.receive(cur)
         except WorkerDied as e:
             self.in_flight.clear()
             self._sent_s.clear()
-            if self.num_worker_restarts < self.config.max_worker_restarts:
+            self._sent_mono.clear()
+            self._lost.clear()
+            self.outstanding_since = None
+            if self.restarts.take():
                 self._recover(e)
-                return []
+                return ended + self._take_ended()
             self._fail_all(f"worker died: {e}")
             raise
         except StepRefused as e:
-            # A refused step is a disagreement between us and the worker: it is our bug or theirs,
-            # and the safe answer is to end the requests it names (or all of this step's).
-            names = [e.err.req_id] if e.err.req_id else list(cur.req_ids)
-            for req_id in names:
-                sch.fail(req_id, str(e))
-            # the worker keeps nothing of a refused step: its other new requests start over
-            sch.unsend([r.req_id for r in cur.new_requests if r.req_id not in names])
-            sch.step_refused(cur)
-            sch.last_done_step = cur.step_id
-            self._send_deferred()
-            return [sch.requests[r] for r in names if r in sch.requests]
+            return ended + self._refused(cur, e)
+        self._sent_mono.pop(cur.step_id, None)
+        self._mark_outstanding()
         now = time.perf_counter()
         # the worker's time for this step: from its send, or from the last output when the
         # step was already queued behind that one (overlap)
@@ -295,12 +323,64 @@ class Engine:
         if result.drafts is not None:
             sch.take_drafts(result.drafts)
         self._send_deferred()
-        return failed + done
+        return ended + self._take_ended() + failed + done
 
     def _send(self, sched: SchedulerOutput) -> None:
-        self.client.send_step(sched)
+        """Send ``sched``; one that cannot be encoded fails the requests that carry the fault
+        (``step_blame``), and the worker, which never saw it, is left alone."""
+        try:
+            self.client.send_step(sched)
+        except Unsendable as e:
+            names = blame(sched) or list(sched.req_ids)
+            log.warning("step %d cannot be sent (%s): failing %s", sched.step_id, e, names)
+            message = f"this request cannot be sent to the worker: {e}"
+            self._ended += refuse_step(
+                self.scheduler, sched, names, message, last=not self.in_flight
+            )
+            return
         self.in_flight.append(sched)
         self._sent_s[sched.step_id] = time.perf_counter()
+        self._sent_mono[sched.step_id] = time.monotonic()
+
+    def _refused(self, cur: SchedulerOutput, e: StepRefused) -> list[Request]:
+        """The worker applied nothing of ``cur``. A refusal is a disagreement between us and the
+        worker, our bug or theirs: the safe answer is to end the requests it names, else the
+        ones that fail the wire round trip, else all of the step's."""
+        if e.err.req_id is not None:
+            return self._refuse(cur, [e.err.req_id], str(e))
+        if e.err.step_id is not None:
+            return self._refuse(cur, list(cur.req_ids), str(e))
+        # an error naming no step: the worker could not decode a message of ours
+        message = f"the worker could not read this request: {e.err.code}: {e.err.message}"
+        culprits = blame(cur)
+        if not culprits:
+            # overlap: the unreadable one may be the step sent after this one, whose output
+            # will never come; this one's output still does
+            for later in self.in_flight:
+                found = blame(later)
+                if found:
+                    self._lost[later.step_id] = (found, message)
+                    self.in_flight.appendleft(cur)
+                    return []
+            culprits = list(cur.req_ids)
+        return self._refuse(cur, culprits, message)
+
+    def _refuse(self, cur: SchedulerOutput, names: list[str], message: str) -> list[Request]:
+        self._sent_s.pop(cur.step_id, None)
+        self._sent_mono.pop(cur.step_id, None)
+        self._mark_outstanding()
+        ended = refuse_step(self.scheduler, cur, names, message, last=True)
+        self._send_deferred()
+        return ended
+
+    def _mark_outstanding(self) -> None:
+        """The oldest step still in flight is now the one that may stall."""
+        first = self.in_flight[0].step_id if self.in_flight else None
+        self.outstanding_since = None if first is None else self._sent_mono.get(first)
+
+    def _take_ended(self) -> list[Request]:
+        ended, self._ended = self._ended, []
+        return ended
 
     def _send_deferred(self) -> None:
         """The next step in flight waits for its deferred rows: send them now."""
@@ -321,8 +401,30 @@ class Engine:
 
     def _recover(self, cause: WorkerDied) -> None:
         """A new worker (relaunched, or the next one to appear at worker_addr), a new handshake,
-        and every in-flight request queued again from its prompt plus committed tokens."""
+        and every in-flight request queued again from its prompt plus committed tokens, except
+        those that were on the worker at an earlier death too: they may be what kills it."""
         log.warning("worker lost (%s): restarting and replaying in-flight requests", cause)
+        self.recovering = True
+        try:
+            self._fail_repeat_losses()
+            self._relaunch()
+        finally:
+            self.recovering = False
+
+    def _fail_repeat_losses(self) -> None:
+        for req in list(self.scheduler.running):
+            if not req.sent_to_worker:
+                continue
+            req.num_worker_losses += 1
+            if req.num_worker_losses >= 2:
+                self.scheduler.fail(
+                    req.req_id,
+                    f"the worker died {req.num_worker_losses} times while running this request: "
+                    "it is not replayed again",
+                )
+                self._ended.append(req)
+
+    def _relaunch(self) -> None:
         self.num_worker_restarts += 1
         self.prom.worker_restarts.inc()
         self.client.close()
@@ -410,6 +512,12 @@ class Engine:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.close()
+
+
+def _plain_ints(ids: list[Any]) -> list[Any]:
+    """numpy integers as Python ints (the wire encodes only these); anything else is kept for the
+    scheduler's checks to name."""
+    return [int(t) if isinstance(t, np.integer) else t for t in ids]
 
 
 def _spec(structured: StructuredSpec | dict[str, Any] | None) -> StructuredSpec | None:

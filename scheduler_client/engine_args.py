@@ -72,7 +72,21 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         type=int,
         default=3,
         help="after a worker dies: relaunch it (or wait for a new one at --worker) and replay "
-        "in-flight requests, at most this many times (0: fail them instead)",
+        "in-flight requests, at most this many times within --restart-window-s (0: fail them "
+        "instead); a request running at two deaths is failed, not replayed again",
+    )
+    ap.add_argument(
+        "--restart-window-s",
+        type=float,
+        default=600.0,
+        help="the window of --max-worker-restarts: restarts older than this many seconds are "
+        "not counted",
+    )
+    ap.add_argument(
+        "--stall-threshold-s",
+        type=float,
+        default=60.0,
+        help="/health answers 503 'stalled' while a step has been outstanding this long",
     )
     ap.add_argument(
         "--metrics-port",
@@ -97,6 +111,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         grammar_backend=a.grammar_backend,
         worker_log=a.worker_log,
         max_worker_restarts=a.max_worker_restarts,
+        restart_window_s=a.restart_window_s,
+        stall_threshold_s=a.stall_threshold_s,
         metrics_port=a.metrics_port,
         transport=TransportConfig(
             curve_secret_file=a.curve_secret, curve_server_public_file=a.curve_server_public

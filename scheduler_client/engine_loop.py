@@ -98,7 +98,15 @@ class EngineLoop:
         return len(self._streams)
 
     def health(self) -> str:
-        """ "ok", "recovering" (a worker is being replaced) or "stalled"."""
+        """ "ok"; "recovering" while a lost worker is relaunched and its requests replayed;
+        "stalled" while a step has been outstanding longer than the engine's
+        ``stall_threshold_s`` (the worker is alive but not answering in time)."""
+        engine = self.engine
+        if engine.recovering:
+            return "recovering"
+        since = engine.outstanding_since
+        if since is not None and time.monotonic() - since > engine.config.stall_threshold_s:
+            return "stalled"
         return "ok"
 
     # -- the engine's thread --------------------------------------------------------------------
@@ -164,6 +172,12 @@ class EngineLoop:
             req = self.engine.add_request(**request)
         except (ValueError, TypeError) as e:
             stream.put(Refused(str(e)))
+            return
+        except Exception as e:
+            # Untrusted input (a chat template, a schema) may fail in ways no check foresaw:
+            # that is this request's fault, never the engine thread's.
+            log.warning("request refused: %r", e)
+            stream.put(Refused(f"the request could not be added: {e!r:.300}"))
             return
         if req.finished:  # refused at once: a bad schema, a prompt too long, ...
             self.engine.scheduler.release(req.req_id)

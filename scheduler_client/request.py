@@ -51,6 +51,7 @@ class Request:
     pending_samples: int = 0  # how many of them sample this request
     inflight_max_new: int = 0  # the most tokens they can commit
     last_drafts: np.ndarray | None = None  # raw drafts proposed after the last output (or None)
+    num_worker_losses: int = 0  # worker deaths while this request ran on it (2: not replayed)
 
     @property
     def num_tokens(self) -> int:

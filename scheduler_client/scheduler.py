@@ -30,6 +30,7 @@ from scheduler_client.bitmask_rows import deferred_rows, step_rows
 from scheduler_client.grammar import GrammarBackend, GrammarError
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
+from scheduler_client.request_checks import request_problem
 from scheduler_client.spec_tuner import SpeculationTuner
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
@@ -139,7 +140,10 @@ class Scheduler:
             raise ValueError(f"request id {req.req_id!r} is already in use")
         self.requests[req.req_id] = req
         limit = self.limits.max_model_len
-        if not req.prompt_ids:
+        problem = request_problem(req, self.limits.vocab_size)
+        if not isinstance(req.prompt_ids, list | tuple):
+            req.finish("error", problem or "the prompt must be a list of token ids")
+        elif not req.prompt_ids:
             req.finish("error", "the prompt is empty")
         elif len(req.prompt_ids) >= limit:
             req.finish(
@@ -147,14 +151,14 @@ class Scheduler:
                 f"prompt of {len(req.prompt_ids)} tokens is too long: the model "
                 f"takes at most {limit - 1} prompt tokens (max_model_len {limit})",
             )
+        elif problem is not None:  # types, ids and the widths the wire carries
+            req.finish("error", problem)
         elif not 0 <= req.num_speculative_tokens <= self.limits.max_num_speculative_tokens:
             req.finish(
                 "error",
                 f"num_speculative_tokens {req.num_speculative_tokens} is outside "
                 f"0..{self.limits.max_num_speculative_tokens} (the worker's maximum)",
             )
-        elif req.sampling.max_tokens < 1:
-            req.finish("error", "max_tokens must be >= 1")
         elif req.structured is not None:
             if self.grammar is None:
                 req.finish("error", "structured outputs need a tokenizer and a grammar backend")
@@ -163,6 +167,10 @@ class Scheduler:
                     req.matcher = self.grammar.matcher(req.structured)
                 except GrammarError as e:
                     req.finish("error", str(e))
+                except Exception as e:
+                    # an untrusted spec (a schema nested past the recursion limit, ...): this
+                    # request's fault, never the engine's
+                    req.finish("error", f"invalid {req.structured.kind} spec: {e!r:.300}")
         if self.tokenizer is not None and req.detok is None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
         if not req.finished:
@@ -426,7 +434,13 @@ class Scheduler:
             w = int(out.num_draft_tokens[i])
             req.metrics.record_step(w, accepted, n)
             req.num_judged += min(w, accepted + 1)
-            self._commit(req, tokens)
+            try:
+                self._commit(req, tokens)
+            except Exception as e:
+                # a grammar or detokenizer failure on this request's tokens ends this request;
+                # its neighbours in the step commit as usual
+                if not req.finished:
+                    self._finish(req, "error", f"committing sampled tokens failed: {e!r:.300}")
             if req.finished:
                 done.append(req)
         return done
@@ -489,33 +503,39 @@ class Scheduler:
                 req.draft_ids = np.zeros(0, np.int32)
                 req.last_drafts = None
                 continue
-            cap = min(
-                req.num_speculative_tokens,
-                req.sampling.max_tokens - len(req.output_ids) - 1,
-                self.limits.max_model_len - req.num_tokens,
-            )
-            cap = max(cap, 0)
-            req.last_drafts = ids
-            ids = ids[:cap]
-            if req.matcher is None:
-                req.draft_ids = np.full(len(ids), -1, np.int32)
-                continue
-            if (ids < 0).any():
-                req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
-                req.draft_ids = np.zeros(0, np.int32)
-                continue
-            valid = req.matcher.validate(ids.tolist())
-            req.metrics.num_grammar_invalid += len(ids) - valid
-            real = ids[:valid].astype(np.int32)
-            forced: list[int] = []
-            if self.config.forced_drafts and valid < cap:
-                forced = req.matcher.forced_tokens(real.tolist(), cap - valid)
-                req.metrics.num_forced += len(forced)
-            req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
-            # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
-            req.draft_ids = np.concatenate(
-                [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
-            )
+            try:
+                self._take_request_drafts(req, ids)
+            except Exception as e:
+                # the grammar failed on this request's drafts: it ends, the others take theirs
+                self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
+
+    def _take_request_drafts(self, req: Request, ids: np.ndarray) -> None:
+        """Grammar-validate one request's fresh drafts (``ids`` int32 [width])."""
+        cap = min(
+            req.num_speculative_tokens,
+            req.sampling.max_tokens - len(req.output_ids) - 1,
+            self.limits.max_model_len - req.num_tokens,
+        )
+        cap = max(cap, 0)
+        req.last_drafts = ids
+        ids = ids[:cap]
+        if req.matcher is None:
+            req.draft_ids = np.full(len(ids), -1, np.int32)
+            return
+        if (ids < 0).any():
+            req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
+            req.draft_ids = np.zeros(0, np.int32)
+            return
+        valid = req.matcher.validate(ids.tolist())
+        req.metrics.num_grammar_invalid += len(ids) - valid
+        real = ids[:valid].astype(np.int32)
+        forced: list[int] = []
+        if self.config.forced_drafts and valid < cap:
+            forced = req.matcher.forced_tokens(real.tolist(), cap - valid)
+            req.metrics.num_forced += len(forced)
+        req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
+        # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
+        req.draft_ids = np.concatenate([np.full(valid, -1, np.int32), np.asarray(forced, np.int32)])
 
 
 def _clear_inflight(req: Request) -> None:

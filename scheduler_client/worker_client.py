@@ -49,9 +49,21 @@ class StepResult:
 
 
 class StepRefused(RuntimeError):
+    """The worker applied nothing of a step. ``err.step_id`` None: the worker could not tell which
+    (a message it could not decode); the caller works out the culprits (``step_blame``)."""
+
     def __init__(self, err: WorkerError) -> None:
         super().__init__(f"worker refused step {err.step_id}: {err.code}: {err.message}")
         self.err = err
+
+
+class Unsendable(ValueError):
+    """A message could not be encoded (a value the wire cannot carry): nothing was sent, the
+    worker is fine, and the fault is in what the message carries."""
+
+
+# ProtocolError codes of a message that could not be encoded (the rest: the peer is gone or slow)
+ENCODE_FAULTS = ("bad_field", "bad_array", "oversize")
 
 
 class WorkerClient:
@@ -154,6 +166,8 @@ class WorkerClient:
         try:
             self.chan.send(msg)
         except ProtocolError as e:
+            if e.code in ENCODE_FAULTS:
+                raise Unsendable(f"{type(msg).__name__} cannot be sent: {e}") from None
             raise WorkerDied(f"cannot send to the worker at {self.addr}: {e}") from None
 
     def handshake(self, timeout_s: float = 600.0) -> WorkerReady:
@@ -205,9 +219,20 @@ class WorkerClient:
                 ):
                     errors.append(msg)
                     continue
-                if msg.step_id == sched.step_id:
+                # NOTE: an error naming no step answers a message the worker could not decode;
+                # the worker runs steps in order and drops what it cannot read, so the step we
+                # wait for is lost: refuse it now rather than wait out the step timeout
+                if msg.step_id == sched.step_id or msg.step_id is None:
                     raise StepRefused(msg)
-            # anything else (a late pong, an old step's drafts) is stale: drop it
+            elif _unexpected(msg, sched.step_id):
+                raise StepRefused(
+                    WorkerError(
+                        code="unexpected",
+                        message=f"the worker answered step {sched.step_id} with {_describe(msg)}",
+                        step_id=sched.step_id,
+                    )
+                )
+            # anything else (a late pong, an old step's output or drafts) is stale: drop it
         drafts = None
         if int(msg.num_sampled.sum()) > 0:
             while True:
@@ -233,3 +258,16 @@ class WorkerClient:
             self.chan.send(Shutdown(reason="scheduler done"))
         except ProtocolError as e:
             log.warning("could not tell the worker to shut down: %s", e)
+
+
+def _unexpected(msg: Message, step_id: int) -> bool:
+    """A message no worker sends while a step runs, or the output of a step after ours (ours
+    was skipped): waiting longer cannot bring our output."""
+    if isinstance(msg, ModelRunnerOutput | DraftTokenIds):
+        return msg.step_id > step_id
+    return not isinstance(msg, Pong | WorkerError)
+
+
+def _describe(msg: Message) -> str:
+    step = getattr(msg, "step_id", None)
+    return type(msg).__name__ + ("" if step is None else f" of step {step}")
