@@ -84,12 +84,21 @@ def main() -> None:
     ap.add_argument("--prompt-mb", type=float, default=10.0)
     ap.add_argument("--alternatives", type=int, default=5000)
     ap.add_argument("--json-out", default=None)
+    ap.add_argument(
+        "--default-limits-only",
+        action="store_true",
+        help="skip the raised-limits daemon (for a scheduler without the limit flags: the "
+        "'before' run, with PYTHONPATH naming an older scheduler_client)",
+    )
     a = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory(prefix="prep-bench-") as d:
         tmp = Path(d)
         model = save_byte_model("llama", 31, tmp / "model")
-        for label, flags in (("default limits", ()), ("raised limits", RAISED)):
+        runs: list[tuple[str, tuple[str, ...]]] = [("default limits", ())]
+        if not a.default_limits_only:
+            runs.append(("raised limits", RAISED))
+        for label, flags in runs:
             run = tmp / label.replace(" ", "-")
             run.mkdir()
             daemon = start_daemon(run, model, *flags)
