@@ -432,11 +432,14 @@ class Scheduler:
         for t in tokens:
             if req.matcher is not None and not req.matcher.accept(t):
                 self._emit(req, new, final=True)
+                # the engine's reason, first line only (llguidance appends its whole grammar):
+                # "Parser Error: Current row has 5000 items; max is 2000; ..."
+                why = req.matcher.error.split("\n", 1)[0]
                 self._finish(
                     req,
                     "error",
                     f"the grammar rejected sampled token {t}"
-                    f"{self._show(t)}; the output so far is kept",
+                    f"{self._show(t)}{f' ({why})' if why else ''}; the output so far is kept",
                 )
                 return
             if (t in eos and not req.ignore_eos) or t in sp.stop_token_ids:

@@ -95,7 +95,7 @@ def loop(target_dir: Path) -> Iterator[EngineLoop]:
     prep = Preparer(
         tokenizer_dir=eng.tokenizer.directory,
         grammar=eng.scheduler.grammar,
-        limits=InputLimits(max_prompt_chars=50_000_000),
+        limits=InputLimits(max_prompt_chars=50_000_000, max_schema_nodes=100_000),
         max_model_len=eng.ready.max_model_len,
         num_threads=2,
         num_processes=2,
@@ -198,3 +198,20 @@ def test_a_huge_prompt_is_tokenized_while_other_streams_flow(daemon: Daemon) -> 
     # issue) and stream nothing meanwhile. The 200 ms figure is measured by bench/prep_bench.py;
     # here a bound that a loaded 2-core machine keeps.
     assert meanwhile >= 10 and gap < (t1 - t0) / 2, (gap, meanwhile, t1 - t0)
+
+
+def test_a_grammar_too_complex_for_llguidance_fails_naming_why(loop: EngineLoop) -> None:
+    # compiled off the engine thread; llguidance then refuses the first token (more than 2000
+    # items in a parser row): the request fails with llguidance's reason, not a bare "rejected"
+    schema = {
+        "anyOf": [
+            {"type": "object", "properties": {f"k{i}": {"const": i}}, "required": [f"k{i}"]}
+            for i in range(2100)
+        ]
+    }
+    s = loop.submit({"prompt": "abc", "max_tokens": 8, "structured": {"json": schema}})
+    event = s.get(timeout_s=120)
+    while not isinstance(event, Done | Refused):
+        event = s.get(timeout_s=120)
+    assert isinstance(event, Done) and event.req.finish_reason == "error", event
+    assert "max is 2000" in (event.req.error or ""), event.req.error
