@@ -27,6 +27,8 @@ from scheduler_client.engine_args import add_engine_args, engine_config
 from scheduler_client.engine_loop import EngineLoop
 from scheduler_client.http.door import Door
 from scheduler_client.http.server import DoorLimits, DoorServer
+from scheduler_client.limits import InputLimits, add_limit_args, input_limits
+from scheduler_client.prep import Preparer
 from scheduler_client.worker_client import HandshakeError, WorkerDied
 
 log = logging.getLogger("specd.scheduler")
@@ -46,6 +48,9 @@ class ServeConfig:
     max_request_bytes: int = 16 << 20
     data_parallel_size: int = 1
     limits: DoorLimits = dataclasses.field(default_factory=DoorLimits)
+    input_limits: InputLimits = dataclasses.field(default_factory=InputLimits)
+    prep_threads: int = 4  # threads that check limits and compile grammars
+    prep_processes: int = 2  # processes that render chat templates and tokenize
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -65,6 +70,8 @@ class ServeConfig:
             raise ValueError("--max-connections must be >= 1")
         if self.data_parallel_size < 1:
             raise ValueError("--data-parallel-size must be >= 1")
+        if self.prep_threads < 1 or self.prep_processes < 1:
+            raise ValueError("--prep-threads and --prep-processes must be >= 1")
         if self.data_parallel_size > 1 and self.engine.worker_addr:
             raise ValueError("--data-parallel-size launches its workers: drop --worker")
         if self.log_format not in ("text", "json"):
@@ -151,6 +158,21 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         help="launch this many workers (worker i sees GPU i) behind this scheduler; each request "
         "goes to the worker with the fewest active requests",
     )
+    ap.add_argument(
+        "--prep-threads",
+        type=int,
+        default=4,
+        help="threads that check requests against the limits and compile their grammars, off "
+        "the engine's thread",
+    )
+    ap.add_argument(
+        "--prep-processes",
+        type=int,
+        default=2,
+        help="processes that render chat templates and tokenize prompts (the tokenizer holds "
+        "the GIL, so threads would stall the engine)",
+    )
+    add_limit_args(ap)
     add_engine_args(ap)
     add_log_args(ap)
     a = parse_with_config(ap, argv)
@@ -171,6 +193,9 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
             keep_alive_timeout_s=a.keep_alive_timeout,
             max_connections=a.max_connections,
         ),
+        input_limits=input_limits(a),
+        prep_threads=a.prep_threads,
+        prep_processes=a.prep_processes,
         log_level=a.log_level,
         log_format=a.log_format,
     )
@@ -178,7 +203,7 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        cfg = parse_args(argv)
+        cfg = parse_args(argv)  # a bad limit raises ValueError here too
         api_key = cfg.api_key()
     except ValueError as e:
         print(f"specd-scheduler: {e}", file=sys.stderr)
@@ -198,7 +223,20 @@ def main(argv: list[str] | None = None) -> int:
         except (WorkerDied, HandshakeError, OSError, ValueError) as e:
             log.error("no worker: %s", e)
             return EXIT_WORKER
-        return serve(cfg, api_key, [EngineLoop(e) for e in engines])
+        prep = stack.enter_context(contextlib.closing(preparer(cfg, engines[0])))
+        return serve(cfg, api_key, [EngineLoop(e, prep) for e in engines])
+
+
+def preparer(cfg: ServeConfig, engine: Engine) -> Preparer:
+    """One for all the engines: data-parallel workers serve the same model and tokenizer."""
+    return Preparer(
+        tokenizer_dir=engine.tokenizer.directory if engine.tokenizer is not None else None,
+        grammar=engine.scheduler.grammar,
+        limits=cfg.input_limits,
+        max_model_len=engine.ready.max_model_len,
+        num_threads=cfg.prep_threads,
+        num_processes=cfg.prep_processes,
+    )
 
 
 def worker_config(cfg: ServeConfig, index: int) -> EngineConfig:

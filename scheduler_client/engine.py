@@ -30,7 +30,7 @@ import numpy as np
 
 from protocol.messages import SamplingParams, SchedulerOutput
 from protocol.transport import TransportConfig
-from scheduler_client.grammar import SpecKind, StructuredSpec, make_backend
+from scheduler_client.grammar import Matcher, StructuredSpec, make_backend, parse_spec
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.prom import SchedulerMetrics
 from scheduler_client.request import Request
@@ -216,11 +216,13 @@ class Engine:
         structured: StructuredSpec | dict[str, Any] | None = None,
         num_speculative_tokens: int | None = None,
         req_id: str | None = None,
+        matcher: Matcher | None = None,
     ) -> Request:
         """Queue one request. ``structured``: a ``StructuredSpec`` or ``{"json": schema}``,
-        ``{"regex": ...}``, ``{"grammar": lark}``, ``{"choice": [...]}``."""
+        ``{"regex": ...}``, ``{"grammar": lark}``, ``{"choice": [...]}``; ``matcher``: its
+        grammar, already compiled (``prep.Preparer``), else the scheduler compiles it here."""
         ids = self._prompt_ids(prompt, messages)
-        spec = _spec(structured)
+        spec = parse_spec(structured)
         k = (
             self.ready.max_num_speculative_tokens
             if num_speculative_tokens is None
@@ -241,6 +243,7 @@ class Engine:
             stop=tuple(stop or ()),
             ignore_eos=ignore_eos,
             structured=spec,
+            matcher=matcher,
         )
         return self.scheduler.add(req)
 
@@ -518,23 +521,3 @@ def _plain_ints(ids: list[Any]) -> list[Any]:
     """numpy integers as Python ints (the wire encodes only these); anything else is kept for the
     scheduler's checks to name."""
     return [int(t) if isinstance(t, np.integer) else t for t in ids]
-
-
-def _spec(structured: StructuredSpec | dict[str, Any] | None) -> StructuredSpec | None:
-    if structured is None or isinstance(structured, StructuredSpec):
-        return structured
-    if len(structured) != 1:
-        raise ValueError(
-            'structured must have one key: "json", "regex", "grammar", "ebnf" or "choice"'
-        )
-    ((kind, value),) = structured.items()
-    kinds: dict[str, SpecKind] = {
-        "json": "json",
-        "ebnf": "ebnf",
-        "regex": "regex",
-        "grammar": "grammar",
-        "choice": "choice",
-    }
-    if kind in kinds:
-        return StructuredSpec(kinds[kind], value)
-    raise ValueError(f"unknown structured-output kind {kind!r}")

@@ -3,6 +3,10 @@
 The engine (scheduler, grammar matchers, worker socket) is single-threaded by design. Front doors
 (the HTTP server) hand requests over through a queue and receive each request's text deltas and
 its end through that request's own ``Stream``; nothing else touches the engine.
+
+With a ``Preparer`` (the daemon always has one), a request is first prepared off this thread
+(limits, chat template, tokenizing, grammar: prep.py) and joins the scheduler when that is done;
+an abort while it is being prepared ends it there, and a preparation error refuses it alone.
 """
 
 from __future__ import annotations
@@ -10,11 +14,14 @@ from __future__ import annotations
 import logging
 import queue
 import time
+import uuid
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from scheduler_client.engine import Engine
+from scheduler_client.prep import Preparer
 from scheduler_client.request import Request
 from scheduler_client.worker_client import WorkerDied
 
@@ -70,10 +77,13 @@ class EngineLoop:
     """Runs ``engine`` on the thread that calls ``run``; ``submit``/``abort``/``drain`` are safe
     from any thread."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, prep: Preparer | None = None) -> None:
         self.engine = engine
+        self.prep = prep  # None: requests are prepared on the engine's thread (trusted callers)
         self._inbox: queue.SimpleQueue[tuple[str, Any, Stream | None]] = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
+        # req_id -> (its reader, its preparation) while it is prepared off this thread
+        self._preparing: dict[str, tuple[Stream, Future[dict[str, Any]]]] = {}
         self._drain_deadline: float | None = None
         self.draining = False
         self.failed: str | None = None  # set when the worker is gone for good
@@ -81,8 +91,11 @@ class EngineLoop:
     # -- any thread -----------------------------------------------------------------------------
     def submit(self, request: dict[str, Any], waker: Callable[[], None] | None = None) -> Stream:
         """Queue ``request`` (keyword arguments of ``Engine.add_request``); ``waker`` is called
-        on the engine's thread after each event of its stream."""
+        after each event of its stream is queued (an asyncio reader's wake-up)."""
         stream = Stream(self, waker)
+        request = dict(request)
+        request.setdefault("req_id", f"req-{uuid.uuid4().hex}")
+        stream.req_id = request["req_id"]  # known at once, so an abort can name it
         self._inbox.put(("add", request, stream))
         return stream
 
@@ -95,7 +108,7 @@ class EngineLoop:
 
     @property
     def num_active(self) -> int:
-        return len(self._streams)
+        return len(self._streams) + len(self._preparing)
 
     def health(self) -> str:
         """ "ok"; "recovering" while a lost worker is relaunched and its requests replayed;
@@ -117,12 +130,13 @@ class EngineLoop:
             busy = scheduler.has_work()
             self._take_inbox(block=not busy)
             if self.draining:
-                if not self._streams and not scheduler.has_work():
+                if not self._streams and not self._preparing and not scheduler.has_work():
                     return
                 assert self._drain_deadline is not None
                 if time.monotonic() > self._drain_deadline:
                     for req_id in list(self._streams):
                         scheduler.abort(req_id)
+                    self._refuse_preparing("the scheduler shut down before the request started")
             if scheduler.has_work():
                 try:
                     self.engine.step()
@@ -130,6 +144,7 @@ class EngineLoop:
                     self.failed = str(e)
                     log.error("worker lost for good: %s", e)
                     self._finish_streams()
+                    self._refuse_preparing(f"worker lost: {e}")
                     return
                 except Exception as e:
                     # Our bug or the worker's: every reader hears it before the process ends.
@@ -137,6 +152,7 @@ class EngineLoop:
                     for req_id in list(self._streams):
                         scheduler.fail(req_id, f"the scheduler failed: {e!r}")
                     self._finish_streams()
+                    self._refuse_preparing(f"the scheduler failed: {e!r}")
                     raise
             self._finish_streams()
 
@@ -159,7 +175,14 @@ class EngineLoop:
                 self.draining = True
                 self._drain_deadline = time.monotonic() + float(arg)
         elif kind == "abort":
-            self.engine.abort(arg)
+            preparing = self._preparing.pop(arg, None)
+            if preparing is None:
+                self.engine.abort(arg)
+            else:  # its preparation goes on (it cannot be interrupted); its result is dropped
+                preparing[1].cancel()
+                preparing[0].put(Refused("the request was aborted before it started"))
+        elif kind == "prepared":
+            self._join(arg)
         else:
             assert stream is not None
             self._add(arg, stream)
@@ -168,6 +191,43 @@ class EngineLoop:
         if self.draining:
             stream.put(Refused("the scheduler is shutting down"))
             return
+        if self.prep is None:
+            self._start(request, stream)
+            return
+        req_id = request["req_id"]
+        if req_id in self._preparing or req_id in self.engine.scheduler.requests:
+            stream.put(Refused(f"request id {req_id!r} is already in use"))
+            return
+        future = self.prep.submit(request)
+        self._preparing[req_id] = (stream, future)
+        # NOTE: the callback runs on a preparation thread (or here, if it is already done): it
+        # only posts to the inbox; this thread takes the result in _join
+        future.add_done_callback(lambda _f: self._inbox.put(("prepared", req_id, None)))
+
+    def _join(self, req_id: str) -> None:
+        """A preparation ended: its request joins the scheduler, or is refused."""
+        preparing = self._preparing.pop(req_id, None)
+        if preparing is None:
+            return  # aborted (or refused by the drain) while it was prepared
+        stream, future = preparing
+        try:
+            request = future.result()
+        except (ValueError, TypeError) as e:
+            stream.put(Refused(str(e)))
+            return
+        except Exception as e:
+            log.exception("preparing %s failed", req_id)
+            stream.put(Refused(f"the request could not be prepared: {e!r}"))
+            return
+        self._start(request, stream)
+
+    def _refuse_preparing(self, message: str) -> None:
+        for stream, future in self._preparing.values():
+            future.cancel()
+            stream.put(Refused(message))
+        self._preparing.clear()
+
+    def _start(self, request: dict[str, Any], stream: Stream) -> None:
         try:
             req = self.engine.add_request(**request)
         except (ValueError, TypeError) as e:

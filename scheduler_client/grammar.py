@@ -46,6 +46,28 @@ class StructuredSpec:
         return f"{self.kind}:{json.dumps(self.value, sort_keys=True)}"
 
 
+def parse_spec(structured: StructuredSpec | dict[str, Any] | None) -> StructuredSpec | None:
+    """A request's ``structured`` argument: a ``StructuredSpec`` or ``{"json": schema}``,
+    ``{"regex": ...}``, ``{"grammar": lark}``, ``{"ebnf": gbnf}``, ``{"choice": [...]}``."""
+    if structured is None or isinstance(structured, StructuredSpec):
+        return structured
+    if not isinstance(structured, dict) or len(structured) != 1:
+        raise ValueError(
+            'structured must have one key: "json", "regex", "grammar", "ebnf" or "choice"'
+        )
+    ((kind, value),) = structured.items()
+    kinds: dict[str, SpecKind] = {
+        "json": "json",
+        "ebnf": "ebnf",
+        "regex": "regex",
+        "grammar": "grammar",
+        "choice": "choice",
+    }
+    if kind in kinds:
+        return StructuredSpec(kinds[kind], value)
+    raise ValueError(f"unknown structured-output kind {kind!r}")
+
+
 class Matcher(Protocol):
     """One request's grammar state. Only the scheduler's step thread calls it."""
 

@@ -11,6 +11,7 @@ import numpy as np
 from protocol.messages import SamplingParams
 from scheduler_client.grammar import Matcher, StructuredSpec
 from scheduler_client.metrics import RequestMetrics
+from scheduler_client.stop_strings import StopStrings
 from scheduler_client.tokenizer import IncrementalDetokenizer
 
 
@@ -33,6 +34,7 @@ class Request:
     structured: StructuredSpec | None = None
     matcher: Matcher | None = None
     detok: IncrementalDetokenizer | None = None
+    stop_strings: StopStrings | None = None  # holds back text that may become a stop string
     on_delta: Callable[[Request, str], None] | None = None
     output_ids: list[int] = field(default_factory=list)
     status: Status = Status.WAITING

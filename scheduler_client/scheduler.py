@@ -32,6 +32,7 @@ from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
 from scheduler_client.request_checks import request_problem
 from scheduler_client.spec_tuner import SpeculationTuner
+from scheduler_client.stop_strings import StopStrings
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
 
@@ -159,7 +160,7 @@ class Scheduler:
                 f"num_speculative_tokens {req.num_speculative_tokens} is outside "
                 f"0..{self.limits.max_num_speculative_tokens} (the worker's maximum)",
             )
-        elif req.structured is not None:
+        elif req.structured is not None and req.matcher is None:
             if self.grammar is None:
                 req.finish("error", "structured outputs need a tokenizer and a grammar backend")
             else:
@@ -173,6 +174,8 @@ class Scheduler:
                     req.finish("error", f"invalid {req.structured.kind} spec: {e!r:.300}")
         if self.tokenizer is not None and req.detok is None:
             req.detok = IncrementalDetokenizer(self.tokenizer)
+            stops = tuple(s for s in req.stop if s)
+            req.stop_strings = StopStrings(stops) if stops else None
         if not req.finished:
             self.waiting.append(req)
         return req
@@ -448,15 +451,19 @@ class Scheduler:
     def _commit(self, req: Request, tokens: list[int]) -> None:
         eos = self.limits.eos_token_ids
         sp = req.sampling
+        stops = req.stop_strings
         new: list[int] = []
         for t in tokens:
             if req.matcher is not None and not req.matcher.accept(t):
                 self._emit(req, new, final=True)
+                # the engine's reason, first line only (llguidance appends its whole grammar):
+                # "Parser Error: Current row has 5000 items; max is 2000; ..."
+                why = req.matcher.error.split("\n", 1)[0]
                 self._finish(
                     req,
                     "error",
                     f"the grammar rejected sampled token {t}"
-                    f"{self._show(t)}; the output so far is kept",
+                    f"{self._show(t)}{f' ({why})' if why else ''}; the output so far is kept",
                 )
                 return
             if (t in eos and not req.ignore_eos) or t in sp.stop_token_ids:
@@ -465,23 +472,35 @@ class Scheduler:
                 return
             req.output_ids.append(t)
             new.append(t)
+            if stops is not None:
+                # token by token: the output (and usage) ends at the token that completes a stop
+                # string; the tokens sampled after it in this step are dropped
+                self._emit(req, new)
+                new = []
+                if stops.stopped:
+                    self._finish(req, "stop", None)
+                    return
             if len(req.output_ids) >= sp.max_tokens or req.num_tokens >= self.limits.max_model_len:
                 self._emit(req, new, final=True)
-                self._finish(req, "length", None)
+                self._finish(req, "stop" if stops is not None and stops.stopped else "length", None)
                 return
         self._emit(req, new)
-        if req.stop and req.detok is not None:
-            text = req.detok.text
-            hits = [text.find(s) for s in req.stop if s in text]
-            if hits:
-                req.detok.text = text[: min(hits)]
-                self._finish(req, "stop", None)
 
     def _emit(self, req: Request, new: list[int], final: bool = False) -> None:
-        if req.detok is not None and (new or final):
-            delta = req.detok.add(new, final)
-            if delta and req.on_delta is not None:
-                req.on_delta(req, delta)
+        """Detokenize ``new`` and send the caller what it may see: with stop strings, never the
+        stop nor a text that could still become one (stop_strings.py)."""
+        if req.detok is None or not (new or final):
+            return
+        delta = req.detok.add(new, final)
+        stops = req.stop_strings
+        if stops is not None:
+            delta = stops.add(delta) if delta else ""
+            if stops.stopped:
+                req.detok.text = stops.text  # the final text ends before the stop
+            elif final:
+                delta += stops.flush()
+        if delta and req.on_delta is not None:
+            req.on_delta(req, delta)
 
     def _show(self, t: int) -> str:
         return f" ({self.tokenizer.decode([t])!r})" if self.tokenizer is not None else ""

@@ -61,11 +61,15 @@ class Daemon:
         except json.JSONDecodeError:
             return status, raw.decode()
 
-    def children(self) -> list[str]:
-        """Pids of the processes the daemon launched (its workers)."""
+    def all_children(self) -> list[str]:
+        """Pids of every process the daemon launched: workers and tokenizer processes."""
         return subprocess.run(
             ["pgrep", "-P", str(self.proc.pid)], capture_output=True, text=True, timeout=10
         ).stdout.split()
+
+    def children(self) -> list[str]:
+        """Pids of the workers the daemon launched (not its tokenizer processes, prep.py)."""
+        return [pid for pid in self.all_children() if b"worker.daemon" in _cmdline(pid)]
 
     def stream_in_flight(
         self, path: str, body: dict[str, Any]
@@ -85,6 +89,13 @@ class Daemon:
         _, raw = self.call(path, {**body, "stream": True})
         assert isinstance(raw, str)
         return sse(raw)
+
+
+def _cmdline(pid: str) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except FileNotFoundError:  # it ended since pgrep saw it
+        return b""
 
 
 def sse(raw: str) -> list[Any]:
@@ -322,14 +333,17 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path)
         children = d.children()
         assert len(children) == 1, children
         worker = int(children[0])
+        others = [int(p) for p in d.all_children() if int(p) != worker]
+        assert others, "no tokenizer processes"  # prep.py's, which must not outlive it either
         d.proc.kill()  # no drain, no Shutdown message: the worker must notice on its own
         d.proc.wait(timeout=30)
         deadline = time.monotonic() + 10
-        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        status = Path(f"/proc/{worker}/status")
-        gone = not status.exists() or "zombie" in status.read_text()
-        assert gone, "the launched worker outlived its scheduler"
+        for pid in (worker, *others):
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            status = Path(f"/proc/{pid}/status")
+            gone = not status.exists() or "zombie" in status.read_text()
+            assert gone, f"launched process {pid} outlived its scheduler"
         assert "is gone: stopping" in (tmp_path / "worker.log").read_text()
     finally:
         reap(d.proc)
