@@ -84,17 +84,25 @@ def post(port: int, path: str, body: bytes, timeout_s: float = 60) -> tuple[int,
 
 # -- a) typed validation ----------------------------------------------------------------------
 INT64 = 2**63
+
+
+def floats(**kw: Any) -> st.SearchStrategy[float]:
+    """Finite floats: JSON has no NaN or infinity (Python's ``json.dumps`` writes them, and the
+    door answers such a body 400 as invalid JSON, with no field to name)."""
+    return st.floats(**{"allow_nan": False, "allow_infinity": False, **kw})
+
+
 BAD: dict[str, st.SearchStrategy[Any]] = {
     "max_tokens": st.one_of(
-        st.integers(max_value=0), st.integers(min_value=2**31), st.floats(), st.text(max_size=3)
+        st.integers(max_value=0), st.integers(min_value=2**31), floats(), st.text(max_size=3)
     ),
     "temperature": st.one_of(
-        st.floats(max_value=-1e-9), st.floats(min_value=100.001, allow_infinity=False),
+        floats(max_value=-1e-9), floats(min_value=100.001),
         st.text(max_size=3), st.booleans(), st.lists(st.integers(), max_size=2),
     ),
-    "top_p": st.one_of(st.floats(max_value=0), st.floats(min_value=1.0001, allow_infinity=False)),
-    "top_k": st.one_of(st.integers(max_value=-2), st.integers(min_value=2**31), st.floats()),
-    "min_p": st.one_of(st.floats(max_value=-1e-9), st.floats(min_value=1.0001, max_value=1e300)),
+    "top_p": st.one_of(floats(max_value=0), floats(min_value=1.0001)),
+    "top_k": st.one_of(st.integers(max_value=-2), st.integers(min_value=2**31), floats()),
+    "min_p": st.one_of(floats(max_value=-1e-9), floats(min_value=1.0001, max_value=1e300)),
     "seed": st.one_of(st.integers(min_value=INT64), st.integers(max_value=-INT64 - 1)),
     "n": st.integers(max_value=0) | st.integers(min_value=2, max_value=2**70),
     "stop_token_ids": st.one_of(
@@ -104,13 +112,13 @@ BAD: dict[str, st.SearchStrategy[Any]] = {
     ),
     "stop": st.one_of(st.integers(), st.lists(st.integers(), min_size=1, max_size=2)),
     "ignore_eos": st.one_of(st.integers(), st.text(max_size=2)),
-    "logit_bias": st.dictionaries(st.text(max_size=4), st.floats(min_value=101, max_value=1e9), min_size=1),
+    "logit_bias": st.dictionaries(st.text(max_size=4), floats(min_value=101, max_value=1e9), min_size=1),
     "num_speculative_tokens": st.one_of(st.integers(max_value=-1), st.integers(min_value=2**31)),
     "stream_options": st.one_of(st.integers(), st.text(max_size=2)),
 }  # fmt: skip
 GOOD: dict[str, st.SearchStrategy[Any]] = {
-    "temperature": st.floats(min_value=0, max_value=2),
-    "top_p": st.floats(min_value=0.01, max_value=1),
+    "temperature": floats(min_value=0, max_value=2),
+    "top_p": floats(min_value=0.01, max_value=1),
     "top_k": st.integers(min_value=-1, max_value=300),
     "seed": st.integers(min_value=-INT64, max_value=INT64 - 1),
     "stop": st.one_of(st.text(max_size=3), st.lists(st.text(min_size=1, max_size=3), max_size=3)),
