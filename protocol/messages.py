@@ -27,7 +27,8 @@ PROTOCOL_MAJOR = 1
 # 1: overlap scheduling (draft_widths_are_caps, deferred_req_ids, StepBitmask)
 # 2: WorkerReady.max_num_batched_tokens
 # 3: WorkerError.field
-PROTOCOL_MINOR = 3
+# 4: WorkerReady.num_kv_blocks, WorkerReady.kv_block_size (the paged KV cache)
+PROTOCOL_MINOR = 4
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -71,7 +72,10 @@ class SchedulerHello(_Msg, tag="hello", frozen=True):
 class WorkerReady(_Msg, tag="ready", frozen=True):
     """The worker's identity and limits, sent once its models are loaded. The scheduler runs at
     most ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens per step unless its user
-    sets lower caps; ``max_num_batched_tokens`` 0 (minor < 2) means the worker did not say."""
+    sets lower caps; ``max_num_batched_tokens`` 0 (minor < 2) means the worker did not say.
+    The target's KV cache is ``num_kv_blocks`` blocks of ``kv_block_size`` tokens; a request holds
+    ``ceil(tokens / kv_block_size)`` of them, and the scheduler admits and preempts by that count
+    (0, minor < 4: the worker did not say; the scheduler counts only ``max_num_seqs``)."""
 
     protocol_major: int
     protocol_minor: int
@@ -85,6 +89,8 @@ class WorkerReady(_Msg, tag="ready", frozen=True):
     max_num_seqs: int
     tokenizer_path: str = ""
     max_num_batched_tokens: int = 0  # minor 2
+    num_kv_blocks: int = 0  # minor 4
+    kv_block_size: int = 0  # minor 4
 
 
 class SchedulerOutput(_Msg, tag="sched", frozen=True):

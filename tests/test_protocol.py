@@ -281,3 +281,41 @@ def test_a_minor_2_peer_and_a_minor_3_peer_read_each_others_worker_errors() -> N
     got = codec.decode([bytes(f) for f in frames])
     assert isinstance(got, m.WorkerError)
     assert got.step_id == 9 and got.req_id == "r" and got.field is None
+
+
+class WorkerReadyV3(msgspec.Struct, tag="ready", array_like=True, gc=False):
+    """``WorkerReady`` as minors 2 and 3 knew it (no KV block fields)."""
+
+    protocol_major: int
+    protocol_minor: int
+    model_name: str
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    max_model_len: int
+    drafter: str
+    max_num_speculative_tokens: int
+    kv_capacity_tokens: int
+    max_num_seqs: int
+    tokenizer_path: str = ""
+    max_num_batched_tokens: int = 0
+
+
+def test_a_minor_3_scheduler_and_a_minor_4_worker_read_each_others_ready() -> None:
+    """Minor 4 added ``num_kv_blocks`` and ``kv_block_size`` last: an old scheduler reads a new
+    worker's handshake (the block fields are ignored), and a new scheduler reads an old worker's
+    (both read 0: "the worker did not say")."""
+    assert m.PROTOCOL_MINOR >= 4
+    new = msgspec.structs.replace(ready_v2(), num_kv_blocks=384, kv_block_size=16)
+    header = Codec().encode(new)[0]
+    _major, _minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
+    old = msgspec.msgpack.Decoder(WorkerReadyV3).decode(body)
+    for f in WorkerReadyV3.__struct_fields__:
+        assert getattr(old, f) == getattr(new, f), f
+
+    fields = [getattr(new, f) for f in WorkerReadyV3.__struct_fields__]
+    codec = Codec()
+    frames = codec.encode_versioned(WorkerReadyV3(*fields), m.PROTOCOL_MAJOR, 3)
+    got = codec.decode([bytes(f) for f in frames])
+    assert isinstance(got, m.WorkerReady)
+    assert got.max_num_batched_tokens == 999 and got.max_num_seqs == 24
+    assert (got.num_kv_blocks, got.kv_block_size) == (0, 0)
