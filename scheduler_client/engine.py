@@ -240,6 +240,7 @@ class Engine:
             self.prom.step_seconds.observe(time.perf_counter() - t0)
             self.prom.queue_depth.set(len(self.scheduler.waiting))
             self.prom.running.set(len(self.scheduler.running))
+            self.prom.preemptions.set(self.scheduler.num_preemptions)
 
     def _step(self) -> list[Request]:
         """Receive one step's output. In sync mode the step is scheduled and sent first; with

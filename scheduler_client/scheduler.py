@@ -211,12 +211,7 @@ class Scheduler:
         of the queue, in order, to be replayed from its prompt plus committed tokens; grammar
         matchers already stand at the committed state (drafts were always rolled back)."""
         for req in reversed(self.running):
-            req.status = Status.WAITING
-            req.num_computed = 0
-            req.sent_to_worker = False
-            req.draft_ids = np.zeros(0, np.int32)
-            req.grammar_drafts = None
-            _clear_inflight(req)
+            _requeue(req)
             self.waiting.appendleft(req)
         self.running = []
         self.to_free, self.to_abort = [], []
@@ -401,12 +396,7 @@ class Scheduler:
         and it waits at the front of the queue, to be recomputed from its prompt and committed
         tokens (as after a worker's death); its grammar matcher already stands there."""
         self.running.remove(req)
-        req.status = Status.WAITING
-        req.num_computed = 0
-        req.sent_to_worker = False
-        req.draft_ids = np.zeros(0, np.int32)
-        req.grammar_drafts = None
-        _clear_inflight(req)
+        _requeue(req)
         self.to_abort.append(req.req_id)
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -571,6 +561,17 @@ class Scheduler:
             req.draft_ids = np.concatenate(
                 [np.full(valid, -1, np.int32), np.asarray(forced, np.int32)]
             )
+
+
+def _requeue(req: Request) -> None:
+    """``req`` waits again with nothing on the worker: recomputed from its prompt and committed
+    tokens, without drafts."""
+    req.status = Status.WAITING
+    req.num_computed = 0
+    req.sent_to_worker = False
+    req.draft_ids = np.zeros(0, np.int32)
+    req.grammar_drafts = None
+    _clear_inflight(req)
 
 
 def _clear_inflight(req: Request) -> None:

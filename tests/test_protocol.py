@@ -283,20 +283,9 @@ def test_a_minor_2_peer_and_a_minor_3_peer_read_each_others_worker_errors() -> N
     assert got.step_id == 9 and got.req_id == "r" and got.field is None
 
 
-class WorkerReadyV3(msgspec.Struct, tag="ready", array_like=True, gc=False):
+class WorkerReadyV3(WorkerReadyV1, tag="ready"):
     """``WorkerReady`` as minors 2 and 3 knew it (no KV block fields)."""
 
-    protocol_major: int
-    protocol_minor: int
-    model_name: str
-    vocab_size: int
-    eos_token_ids: tuple[int, ...]
-    max_model_len: int
-    drafter: str
-    max_num_speculative_tokens: int
-    kv_capacity_tokens: int
-    max_num_seqs: int
-    tokenizer_path: str = ""
     max_num_batched_tokens: int = 0
 
 

@@ -349,7 +349,12 @@ class WorkerLoop:
                 ),
             )
         self.reply(identity, out)
-        self.metrics.record_step(out, time.perf_counter() - t0, len(self.runner.states.slot_of))
+        self.metrics.record_step(
+            out,
+            time.perf_counter() - t0,
+            len(self.runner.states.slot_of),
+            self.runner.target.kv_cache.blocks.num_free,
+        )
         drafts = self.runner.take_draft_tokens()
         if drafts is not None:
             self.reply(identity, drafts)
