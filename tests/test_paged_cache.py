@@ -158,9 +158,11 @@ def test_the_same_memory_serves_four_times_the_requests_at_1k_tokens_of_8k() -> 
 
 
 def test_the_worker_refuses_a_step_that_needs_more_blocks_than_it_has() -> None:
-    """4 blocks of 4 tokens: two new 10-token prompts need 6. The step is refused by field with
+    """5 blocks of 4 tokens: two new 10-token prompts need 6. The step is refused by field with
     its step id before anything is applied (no request kept, no block taken); a step that fits
-    runs, and its blocks beyond the computed length go back after the commit."""
+    runs; a decode step's rejected drafts give back the blocks wholly past the computed length,
+    so between steps each request holds ceil(num_computed / 4) blocks (what the scheduler
+    counts); a step past the free blocks is refused again."""
     from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
     from tests.models import tiny_model
     from worker.drafters.base import NoDrafter
@@ -172,38 +174,57 @@ def test_the_worker_refuses_a_step_that_needs_more_blocks_than_it_has() -> None:
             tiny_model("llama", 3),
             max_num_seqs=2,
             max_model_len=16,
-            num_kv_blocks=4,
+            num_kv_blocks=5,
             kv_block_size=4,
         ),
         NoDrafter(),
         max_num_seqs=2,
         max_model_len=16,
-        max_num_draft_tokens=0,
+        max_num_draft_tokens=3,
     )
     prompt = np.arange(5, 15, dtype=np.int32)
 
-    def step(step_id: int, ids: list[str], counts: list[int], new: list[str]) -> SchedulerOutput:
+    def step(
+        step_id: int,
+        ids: list[str],
+        counts: list[int],
+        new: list[str],
+        drafts: tuple[int, ...] = (),
+    ) -> SchedulerOutput:
         return SchedulerOutput(
             step_id=step_id,
             new_requests=[NewRequest(r, prompt, SamplingParams(), 0) for r in new],
             req_ids=ids,
             num_scheduled_tokens=np.array(counts, np.int32),
-            num_draft_tokens=np.zeros(len(ids), np.int32),
-            draft_token_ids=np.zeros(0, np.int32),
+            num_draft_tokens=np.array([len(drafts)] + [0] * (len(ids) - 1), np.int32),
+            draft_token_ids=np.array(drafts, np.int32),
             finished_req_ids=[],
             aborted_req_ids=[],
             structured_req_ids=[],
         )
 
     blocks = runner.target.kv_cache.blocks
+    st = runner.states
+
+    def held_as_counted() -> None:
+        for slot in st.slot_of.values():
+            assert blocks.num_held[slot] == blocks.blocks_for(int(st.num_computed[slot]))
+        assert blocks.num_free == 5 - sum(int(blocks.num_held[s]) for s in st.slot_of.values())
+
     with pytest.raises(StepError) as err:
         runner.execute(step(7, ["a", "b"], [10, 10], ["a", "b"]))
     assert err.value.code == "no_kv_blocks" and err.value.field == "num_scheduled_tokens"
     assert "step 7" in str(err.value) and "needs 6 more KV blocks" in str(err.value)
-    assert not runner.states.slot_of and blocks.num_free == 4
+    assert not st.slot_of and blocks.num_free == 5
     out, rejected = runner.execute(step(8, ["a", "b"], [10, 2], ["a", "b"]))
     assert not rejected and out.num_sampled.tolist() == [1, 0]
-    # "a" computed 10 positions (3 blocks), "b" 2 (1 block): the cache is full
-    assert blocks.num_free == 0
-    with pytest.raises(StepError, match="needs 1 more KV blocks"):
-        runner.execute(step(9, ["b"], [4], []))
+    held_as_counted()  # "a" computed 10 positions (3 blocks), "b" 2 (1 block)
+    assert blocks.num_free == 1
+    # "a" verifies 3 drafts at positions 11..13 (4 blocks while it runs); not all are accepted
+    # by this random model, and the block past the computed length goes back
+    out, _ = runner.execute(step(9, ["a"], [4], [], (1, 2, 3)))
+    assert out.num_accepted.tolist() != [3], "the drafts must be rejected for this check"
+    held_as_counted()
+    assert blocks.num_free == 1
+    with pytest.raises(StepError, match="needs 2 more KV blocks"):
+        runner.execute(step(10, ["b"], [8], []))  # positions 2..9: 3 blocks, it holds 1

@@ -265,6 +265,14 @@ MUTANTS: tuple[Mutant, ...] = (
         ("tests/test_worker_lossless.py",),
     ),
     Mutant(
+        "kv-blocks-kept-past-length",
+        "worker/runner.py",
+        "            self.target.kv_cache.trim(slot, int(st.num_computed[slot]))",
+        "            pass",
+        "rejected drafts' KV blocks stay held: the worker's block count drifts from the scheduler's",
+        ("tests/test_paged_cache.py",),
+    ),
+    Mutant(
         "replay-prompt-only",
         "scheduler_client/scheduler.py",
         "prompt_token_ids=np.asarray(req.prompt_ids + req.output_ids, np.int32)",
