@@ -527,9 +527,12 @@ class Scheduler:
             ids = msg.draft_token_ids[off : off + w]
             off += w
             req = self.requests.get(req_id)
-            if req is None or req.finished or req.status is not Status.RUNNING:
-                continue  # gone, or preempted: a re-admitted request starts without drafts
-            if stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:
+            if req is None or req.finished:
+                continue
+            # a waiting request (requeued or preempted) has nothing on the worker: its drafts
+            # are stale too, and it starts again without any
+            waiting = req.status is not Status.RUNNING
+            if waiting or stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:
                 req.metrics.num_stale += 1
                 req.draft_ids = np.zeros(0, np.int32)
                 req.last_drafts = None

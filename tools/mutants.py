@@ -164,8 +164,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "stale-length",
         "scheduler_client/scheduler.py",
-        "if stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:",
-        "if stale_step:",
+        "if waiting or stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:",
+        "if waiting or stale_step:",
         "drafts proposed for another committed length are used",
         STALE,
     ),
