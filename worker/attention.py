@@ -13,7 +13,10 @@ Two builders make the same ``PagedMetadata``: ``build_metadata`` from host lists
 ``build_dense_metadata`` from device tensors only (the padded decode layout of ``decode_graphs.py``,
 replayed by CUDA graphs). The padded SDPA is the portable (CPU) kernel; a GPU kernel that reads the
 block table directly (FlexAttention with a block mask, or a Triton paged kernel) can replace
-``_attend`` behind the same metadata.
+``_attend`` behind the same metadata. torch 2.13's CPU build has both ``flex_attention`` and
+``torch.nn.attention.varlen``; they are not used here: FlexAttention is only fast compiled (an
+inductor C++ build per shape, minutes on the test machines) and eager it materialises the scores,
+and varlen attention does not read a block table (the keys would still be gathered, packed).
 
 Batch invariance: a query row's math depends only on its own request's keys. Padded key columns
 are masked (they add exact zeros to the softmax sums) and padded query rows are separate rows, so
