@@ -27,8 +27,9 @@ PROTOCOL_MAJOR = 1
 # 1: overlap scheduling (draft_widths_are_caps, deferred_req_ids, StepBitmask)
 # 2: WorkerReady.max_num_batched_tokens
 # 3: WorkerError.field
-# 4: SchedulerOutput.max_draft_proposals
-PROTOCOL_MINOR = 4
+# 4: WorkerReady.num_kv_blocks, WorkerReady.kv_block_size (the paged KV cache)
+# 5: SchedulerOutput.max_draft_proposals
+PROTOCOL_MINOR = 5
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -72,7 +73,10 @@ class SchedulerHello(_Msg, tag="hello", frozen=True):
 class WorkerReady(_Msg, tag="ready", frozen=True):
     """The worker's identity and limits, sent once its models are loaded. The scheduler runs at
     most ``max_num_seqs`` requests and ``max_num_batched_tokens`` tokens per step unless its user
-    sets lower caps; ``max_num_batched_tokens`` 0 (minor < 2) means the worker did not say."""
+    sets lower caps; ``max_num_batched_tokens`` 0 (minor < 2) means the worker did not say.
+    The target's KV cache is ``num_kv_blocks`` blocks of ``kv_block_size`` tokens; a request holds
+    ``ceil(tokens / kv_block_size)`` of them, and the scheduler admits and preempts by that count
+    (0, minor < 4: the worker did not say; the scheduler counts only ``max_num_seqs``)."""
 
     protocol_major: int
     protocol_minor: int
@@ -86,6 +90,8 @@ class WorkerReady(_Msg, tag="ready", frozen=True):
     max_num_seqs: int
     tokenizer_path: str = ""
     max_num_batched_tokens: int = 0  # minor 2
+    num_kv_blocks: int = 0  # minor 4
+    kv_block_size: int = 0  # minor 4
 
 
 class SchedulerOutput(_Msg, tag="sched", frozen=True):
@@ -105,7 +111,7 @@ class SchedulerOutput(_Msg, tag="sched", frozen=True):
       ``min(width, drafts it proposed)`` of its own drafts and reports the width it used.
     * ``deferred_req_ids`` (minor 1): structured requests whose bitmask rows come later in a
       ``StepBitmask`` for this step (their previous tokens were still pending when it was sent).
-    * ``max_draft_proposals`` (minor 4): the most drafts the worker proposes for each request after
+    * ``max_draft_proposals`` (minor 5): the most drafts the worker proposes for each request after
       this step, for the next step to verify (``-1``: each request's ``num_speculative_tokens``;
       ``0``: the drafter does no work). The scheduler's speculation tuner sets it, so a width of
       zero saves the drafting too, not only the verification.

@@ -118,6 +118,8 @@ class Engine:
                 max_num_speculative_tokens=ready.max_num_speculative_tokens,
                 max_num_seqs=ready.max_num_seqs,
                 max_num_batched_tokens=ready.max_num_batched_tokens,
+                num_kv_blocks=ready.num_kv_blocks,
+                kv_block_size=ready.kv_block_size,
             )
             self.scheduler = Scheduler(config.scheduler, limits, self.tokenizer, grammar)
             self.prom = SchedulerMetrics()
@@ -272,6 +274,7 @@ class Engine:
             self.prom.step_seconds.observe(time.perf_counter() - t0)
             self.prom.queue_depth.set(len(self.scheduler.waiting))
             self.prom.running.set(len(self.scheduler.running))
+            self.prom.preemptions.set(self.scheduler.num_preemptions)
 
     def _step(self) -> list[Request]:
         """Receive one step's output. In sync mode the step is scheduled and sent first; with
@@ -449,8 +452,14 @@ class Engine:
             self._fail_all("the replacement worker serves a different model")
             raise WorkerDied("the replacement worker serves a different model")
         sch = self.scheduler
-        if ready.max_num_seqs < sch.max_num_seqs or (
-            0 < ready.max_num_batched_tokens < sch.max_num_batched_tokens
+        kv = sch.kv_blocks
+        if (
+            ready.max_num_seqs < sch.max_num_seqs
+            or 0 < ready.max_num_batched_tokens < sch.max_num_batched_tokens
+            or (
+                kv is not None
+                and (ready.num_kv_blocks < kv.num_blocks or ready.kv_block_size != kv.block_size)
+            )
         ):
             self._fail_all("the replacement worker has less capacity than the scheduler runs")
             raise WorkerDied("the replacement worker has less capacity than the scheduler runs")

@@ -90,6 +90,11 @@ class SchedulerMetrics:
         self.worker_restarts = Counter(
             "specd_scheduler_worker_restarts_total", "Workers replaced after a death", registry=r
         )
+        self.preemptions = Gauge(
+            "specd_scheduler_preemptions",
+            "Running requests preempted for want of KV blocks (recomputed later), since start",
+            registry=r,
+        )
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host``:``port`` (-1: any free port) until ``stop``; returns the

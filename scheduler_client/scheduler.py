@@ -28,6 +28,7 @@ from protocol.messages import (
 )
 from scheduler_client.bitmask_rows import deferred_rows, step_rows
 from scheduler_client.grammar import GrammarBackend, GrammarError
+from scheduler_client.kv_blocks import KVBlocks
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
 from scheduler_client.request_checks import request_problem
@@ -72,6 +73,8 @@ class WorkerLimits:
     max_num_speculative_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int = 0  # 0: the worker did not say (protocol minor < 2)
+    num_kv_blocks: int = 0  # 0: the worker did not say (protocol minor < 4): slots only
+    kv_block_size: int = 0
 
 
 # the token budget when neither the user nor the worker (protocol minor < 2) names one
@@ -133,6 +136,13 @@ class Scheduler:
             else None
         )
         self.words = (limits.vocab_size + 31) // 32
+        # the worker's paged KV cache, mirrored: admission and preemption count its blocks
+        self.kv_blocks = (
+            KVBlocks(limits.num_kv_blocks, limits.kv_block_size)
+            if limits.num_kv_blocks and limits.kv_block_size
+            else None
+        )
+        self.num_preemptions = 0
 
     # -- requests -------------------------------------------------------------------------------
     def add(self, req: Request) -> Request:
@@ -212,12 +222,7 @@ class Scheduler:
         of the queue, in order, to be replayed from its prompt plus committed tokens; grammar
         matchers already stand at the committed state (drafts were always rolled back)."""
         for req in reversed(self.running):
-            req.status = Status.WAITING
-            req.num_computed = 0
-            req.sent_to_worker = False
-            req.draft_ids = np.zeros(0, np.int32)
-            req.grammar_drafts = None
-            _clear_inflight(req)
+            _requeue(req)
             self.waiting.appendleft(req)
         self.running = []
         self.to_free, self.to_abort = [], []
@@ -261,17 +266,26 @@ class Scheduler:
         sampling: set[str] = set()
         width_cap = self._batch_width()
         limit = self.limits.max_model_len
+        kv = self.kv_blocks
+        free = kv.num_free(self.running) if kv is not None else 0
+        short = False  # the last place() failed for want of KV blocks
 
         def place(req: Request) -> bool:
-            nonlocal budget
+            nonlocal budget, short
+            short = False
             if req.pending_samples:
                 return place_pending(req)
             uncomputed = req.num_tokens - req.num_computed - req.num_inflight
             m = min(uncomputed, budget, self.config.max_prefill_chunk)
+            if kv is not None:
+                m = min(m, kv.room(req, free))  # a shorter chunk where blocks run short
+                short = m <= 0 < min(uncomputed, budget)
             if m <= 0:
                 return False
             samples = m == uncomputed
             w = min(len(req.draft_ids), budget - m, width_cap) if samples else 0
+            if kv is not None:
+                w = max(min(w, kv.room(req, free) - m), 0)  # drafts only where blocks allow
             req.draft_ids = req.draft_ids[:w]
             put(req, m, w, req.draft_ids, samples)
             if samples and req.matcher is not None:
@@ -281,7 +295,7 @@ class Scheduler:
         def place_pending(req: Request) -> bool:
             """Overlap: its last token is still being sampled; run it with the worker's own
             drafts, the width a cap (the worker uses as many as it proposed)."""
-            nonlocal budget
+            nonlocal budget, short
             done = len(req.output_ids) + req.pending_samples >= req.sampling.max_tokens
             if done or budget < 1:
                 return False  # surely finished by the steps in flight, or no room
@@ -291,14 +305,22 @@ class Scheduler:
             if room < 0:
                 return False
             w = min(req.num_speculative_tokens, budget - 1, width_cap, room)
+            if kv is not None:
+                blocks_room = kv.room(req, free)
+                if blocks_room < 1:
+                    short = True
+                    return False
+                w = min(w, blocks_room - 1)
             put(req, 1, w, np.full(w, -1, np.int32), True)
             if req.matcher is not None:
                 deferred.append(req.req_id)
             return True
 
         def put(req: Request, m: int, w: int, ids_: np.ndarray, samples: bool) -> None:
-            nonlocal budget
+            nonlocal budget, free
             budget -= m + w
+            if kv is not None:
+                free -= kv.take(req, m + w)  # before the in-flight counts below move
             ids.append(req.req_id)
             counts.append(m + w)
             widths.append(w)
@@ -311,11 +333,23 @@ class Scheduler:
                 req.pending_samples += int(samples)
                 req.inflight_max_new += (1 + w) if samples else 0
 
-        for req in self.running:
+        preempted = False
+        for req in list(self.running):
             if budget <= 0:
                 break
-            place(req)
-        while self.waiting and len(self.running) < self.max_num_seqs and budget > 0:
+            if req.status is not Status.RUNNING:
+                continue  # preempted for an older request of this step
+            while not place(req) and short:
+                victim = self._victim(req, scheduled)
+                if victim is None:
+                    break  # it waits: the blocks it needs are held by requests already placed
+                free += kv.held(victim) if kv is not None else 0
+                self._preempt(victim)
+                preempted = True
+        # No admission in a step that preempted: the freed blocks went to older requests.
+        while (
+            self.waiting and not preempted and len(self.running) < self.max_num_seqs and budget > 0
+        ):
             req = self.waiting[0]
             if not place(req):
                 break
@@ -357,6 +391,27 @@ class Scheduler:
         self.steps[self.step_id] = (scheduled, sampling)
         self.step_id += 1
         return out
+
+    def _victim(self, req: Request, placed: dict[str, tuple[int, int]]) -> Request | None:
+        """The newest running request other than ``req`` that is neither placed in the step
+        being built nor in a step in flight (overlap): preempting it frees its blocks now."""
+        busy = {r for step, _ in self.steps.values() for r in step}
+        for other in reversed(self.running):
+            if other is req:
+                return None  # only older requests are left: none is preempted for a newer one
+            if other.req_id not in placed and other.req_id not in busy:
+                return other
+        return None
+
+    def _preempt(self, req: Request) -> None:
+        """Give ``req``'s KV blocks back: the worker drops it (an abort in the step being built)
+        and it waits at the front of the queue, to be recomputed from its prompt and committed
+        tokens (as after a worker's death); its grammar matcher already stands there."""
+        self.running.remove(req)
+        _requeue(req)
+        self.to_abort.append(req.req_id)
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
 
     def step_refused(self, sched: SchedulerOutput) -> None:
         """The worker applied nothing of ``sched``: its in-flight accounting goes."""
@@ -517,7 +572,10 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.finished:
                 continue
-            if stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:
+            # a waiting request (requeued or preempted) has nothing on the worker: its drafts
+            # are stale too, and it starts again without any
+            waiting = req.status is not Status.RUNNING
+            if waiting or stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:
                 req.metrics.num_stale += 1
                 req.draft_ids = np.zeros(0, np.int32)
                 req.last_drafts = None
@@ -555,6 +613,17 @@ class Scheduler:
         req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
         # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
         req.draft_ids = np.concatenate([np.full(valid, -1, np.int32), np.asarray(forced, np.int32)])
+
+
+def _requeue(req: Request) -> None:
+    """``req`` waits again with nothing on the worker: recomputed from its prompt and committed
+    tokens, without drafts."""
+    req.status = Status.WAITING
+    req.num_computed = 0
+    req.sent_to_worker = False
+    req.draft_ids = np.zeros(0, np.int32)
+    req.grammar_drafts = None
+    _clear_inflight(req)
 
 
 def _clear_inflight(req: Request) -> None:

@@ -215,7 +215,13 @@ class WorkerClient:
                     msg.req_id is not None
                     and msg.step_id == sched.step_id
                     and msg.code
-                    not in ("bad_step", "width_mismatch", "unknown_request", "too_long")
+                    not in (
+                        "bad_step",
+                        "width_mismatch",
+                        "unknown_request",
+                        "too_long",
+                        "no_kv_blocks",
+                    )
                 ):
                     errors.append(msg)
                     continue

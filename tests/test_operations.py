@@ -134,6 +134,9 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     assert w["specd_worker_draft_tokens_total"] > 0
     assert w["specd_worker_step_seconds_count"] == w["specd_worker_steps_total"]
     assert 'specd_worker_accepted_per_position_total{position="0"}' in w
+    # 16 slots of 128 tokens in blocks of 16: some taken by the last requests, most free
+    assert 0 < w["specd_worker_kv_blocks_free"] <= 16 * 8
+    assert s["specd_scheduler_preemptions"] == 0  # the default cache fits every request
     assert s['specd_scheduler_requests_finished_total{reason="length"}'] == 3
     assert s["specd_scheduler_output_tokens_total"] >= 36
     assert s["specd_scheduler_draft_tokens_total"] == w["specd_worker_draft_tokens_total"]

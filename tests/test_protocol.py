@@ -283,8 +283,35 @@ def test_a_minor_2_peer_and_a_minor_3_peer_read_each_others_worker_errors() -> N
     assert got.step_id == 9 and got.req_id == "r" and got.field is None
 
 
-class SchedulerOutputV3(msgspec.Struct, tag="sched", array_like=True, gc=False):
-    """SchedulerOutput as a minor-3 peer knows it (before ``max_draft_proposals``)."""
+class WorkerReadyV3(WorkerReadyV1, tag="ready"):
+    """``WorkerReady`` as minors 2 and 3 knew it (no KV block fields)."""
+
+    max_num_batched_tokens: int = 0
+
+
+def test_a_minor_3_scheduler_and_a_minor_4_worker_read_each_others_ready() -> None:
+    """Minor 4 added ``num_kv_blocks`` and ``kv_block_size`` last: an old scheduler reads a new
+    worker's handshake (the block fields are ignored), and a new scheduler reads an old worker's
+    (both read 0: "the worker did not say")."""
+    assert m.PROTOCOL_MINOR >= 4
+    new = msgspec.structs.replace(ready_v2(), num_kv_blocks=384, kv_block_size=16)
+    header = Codec().encode(new)[0]
+    _major, _minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
+    old = msgspec.msgpack.Decoder(WorkerReadyV3).decode(body)
+    for f in WorkerReadyV3.__struct_fields__:
+        assert getattr(old, f) == getattr(new, f), f
+
+    fields = [getattr(new, f) for f in WorkerReadyV3.__struct_fields__]
+    codec = Codec()
+    frames = codec.encode_versioned(WorkerReadyV3(*fields), m.PROTOCOL_MAJOR, 3)
+    got = codec.decode([bytes(f) for f in frames])
+    assert isinstance(got, m.WorkerReady)
+    assert got.max_num_batched_tokens == 999 and got.max_num_seqs == 24
+    assert (got.num_kv_blocks, got.kv_block_size) == (0, 0)
+
+
+class SchedulerOutputV4(msgspec.Struct, tag="sched", array_like=True, gc=False):
+    """SchedulerOutput as minors 3 and 4 knew it (before ``max_draft_proposals``)."""
 
     step_id: int
     new_requests: list[m.NewRequest]
@@ -302,11 +329,11 @@ class SchedulerOutputV3(msgspec.Struct, tag="sched", array_like=True, gc=False):
     deferred_req_ids: list[str] = msgspec.field(default_factory=list)
 
 
-def test_a_minor_3_peer_and_a_minor_4_peer_read_each_others_steps() -> None:
-    """Minor 4 added ``SchedulerOutput.max_draft_proposals`` last: an old worker reads a new
+def test_a_minor_4_peer_and_a_minor_5_peer_read_each_others_steps() -> None:
+    """Minor 5 added ``SchedulerOutput.max_draft_proposals`` last: an old worker reads a new
     scheduler's step (the cap is ignored: it drafts its own widths), and a new worker reads an
     old scheduler's step as uncapped (-1)."""
-    assert m.PROTOCOL_MINOR >= 4
+    assert m.PROTOCOL_MINOR >= 5
     new = msgspec.structs.replace(sched_output(3), max_draft_proposals=0)
     frames = Codec().encode(new)
     _major, _minor, body = msgspec.msgpack.decode(
@@ -315,13 +342,13 @@ def test_a_minor_3_peer_and_a_minor_4_peer_read_each_others_steps() -> None:
     assert _minor == m.PROTOCOL_MINOR
     fields = msgspec.msgpack.decode(body)  # the array-like struct: tag, then fields in order
     assert fields[0] == "sched" and fields[-1] == 0
-    assert len(fields) == 1 + len(SchedulerOutputV3.__struct_fields__) + 1
+    assert len(fields) == 1 + len(SchedulerOutputV4.__struct_fields__) + 1
 
     codec = Codec()
-    old = SchedulerOutputV3(
-        **{f: getattr(new, f) for f in SchedulerOutputV3.__struct_fields__}  # type: ignore[arg-type]
+    old = SchedulerOutputV4(
+        **{f: getattr(new, f) for f in SchedulerOutputV4.__struct_fields__}  # type: ignore[arg-type]
     )
-    got = codec.decode([bytes(f) for f in codec.encode_versioned(old, m.PROTOCOL_MAJOR, 3)])
+    got = codec.decode([bytes(f) for f in codec.encode_versioned(old, m.PROTOCOL_MAJOR, 4)])
     assert isinstance(got, m.SchedulerOutput)
     assert got.max_draft_proposals == -1 and got.req_ids == new.req_ids
     assert np.array_equal(got.num_scheduled_tokens, new.num_scheduled_tokens)

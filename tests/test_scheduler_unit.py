@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +115,55 @@ def test_overlap_books_steps_in_flight_and_stops_at_max_tokens() -> None:
     assert s.schedule() is None  # 4 + 2 pending samples >= 6: surely finished
     with pytest.raises(ValueError, match="expected step 2"):
         s.update(_output(3, [1], 0, 0))
+
+
+def test_admission_and_preemption_by_kv_blocks_never_overcommit_the_worker() -> None:
+    """12 blocks of 4 tokens; 4 requests of 10 prompt tokens that grow by 12 outputs each need
+    6 blocks apiece at the end. A stand-in worker keeps its own books from what it was sent: no
+    step ever needs more blocks than it has, the newest request is preempted (aborted, queued at
+    the front, recomputed from prompt + output) when an older one grows, and every request ends
+    with all its tokens."""
+    bs, num_blocks = 4, 12
+    limits = dataclasses.replace(LIMITS, num_kv_blocks=num_blocks, kv_block_size=bs)
+    s = Scheduler(
+        SchedulerConfig(max_num_batched_tokens=64, adaptive_speculation=False), limits, None, None
+    )
+    for i in range(4):
+        s.add(Request(f"r{i}", list(range(3, 13)), SamplingParams(max_tokens=12), 0))
+    computed: dict[str, int] = {}  # the worker's books: req_id -> KV positions computed
+    length: dict[str, int] = {}
+    aborted: list[str] = []
+    for _ in range(200):
+        out = s.schedule()
+        if out is None:
+            break
+        for r in [*out.finished_req_ids, *out.aborted_req_ids]:
+            computed.pop(r, None)
+        aborted += out.aborted_req_ids
+        for new in out.new_requests:
+            computed[new.req_id] = 0
+            length[new.req_id] = len(new.prompt_token_ids)
+        step = dict(zip(out.req_ids, out.num_scheduled_tokens.tolist(), strict=True))
+        need = sum(-(-(c + step.get(r, 0)) // bs) for r, c in computed.items())
+        assert need <= num_blocks, f"step {out.step_id} needs {need} blocks of {num_blocks}"
+        sampled = []
+        for r, n in step.items():
+            computed[r] += n
+            if computed[r] == length[r]:
+                sampled.append(r)
+                length[r] += 1
+        s.update(
+            ModelRunnerOutput(
+                step_id=out.step_id,
+                req_ids=out.req_ids,
+                num_sampled=np.array([int(r in sampled) for r in out.req_ids], np.int32),
+                sampled_token_ids=np.full(len(sampled), 7, np.int32),
+                num_draft_tokens=np.zeros(len(out.req_ids), np.int32),
+                num_accepted=np.zeros(len(out.req_ids), np.int32),
+            )
+        )
+    assert not s.has_work()
+    assert s.num_preemptions > 0 and aborted, "the workload must not fit without preemption"
+    for i in range(4):
+        r = s.requests[f"r{i}"]
+        assert r.error is None and r.output_ids == [7] * 12, r.req_id

@@ -164,8 +164,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "stale-length",
         "scheduler_client/scheduler.py",
-        "if stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:",
-        "if stale_step:",
+        "if waiting or stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:",
+        "if waiting or stale_step:",
         "drafts proposed for another committed length are used",
         STALE,
     ),
@@ -263,6 +263,14 @@ MUTANTS: tuple[Mutant, ...] = (
         "st.num_computed[slot] += int(batch.num_drafts[i])",
         "the worker's computed length moves past rejected drafts too (their KV is kept)",
         ("tests/test_worker_lossless.py",),
+    ),
+    Mutant(
+        "kv-blocks-kept-past-length",
+        "worker/runner.py",
+        "            self.target.kv_cache.trim(slot, int(st.num_computed[slot]))",
+        "            pass",
+        "rejected drafts' KV blocks stay held: the worker's block count drifts from the scheduler's",
+        ("tests/test_paged_cache.py",),
     ),
     Mutant(
         "replay-prompt-only",

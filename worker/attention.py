@@ -1,17 +1,33 @@
-"""Attention over the worker's own KV cache, plugged into transformers' attention interface.
+"""Attention over the worker's paged KV cache, plugged into transformers' attention interface.
 
 The runner calls ``model(..., use_cache=False, specd_meta=meta)``. transformers hands every layer's
 new queries, keys and values (after RoPE) to ``specd_attention`` together with that keyword; the
-function writes the new keys and values into the ``KVCache`` and attends, request by request, over
-each request's history plus its new tokens with a causal mask inside the new tokens. transformers'
-own mask is switched off (``_no_mask``): the ragged batch is one flat sequence, and its mask would be
-wrong and large.
+function writes the new keys and values into the ``KVCache`` and attends once for the whole batch:
+every request's keys are gathered through its block table into a padded ``[B, kv_heads, L, D]``,
+its queries into a padded ``[B, heads, Q, D]``, and one SDPA call runs under a ``[B, 1, Q, L]``
+mask (query row j of request b sees its positions 0 .. start_b + j). No per-request loop: prefill
+chunks, decodes with drafts and mixed steps all take this path. transformers' own mask is switched
+off (``_no_mask``): the batch is one flat sequence, and its mask would be wrong and large.
+
+Two builders make the same ``PagedMetadata``: ``build_metadata`` from host lists (any layout), and
+``build_dense_metadata`` from device tensors only (the padded decode layout of ``decode_graphs.py``,
+replayed by CUDA graphs). The padded SDPA is the portable (CPU) kernel; a GPU kernel that reads the
+block table directly (FlexAttention with a block mask, or a Triton paged kernel) can replace
+``_attend`` behind the same metadata. torch 2.13's CPU build has both ``flex_attention`` and
+``torch.nn.attention.varlen``; they are not used here: FlexAttention is only fast compiled (an
+inductor C++ build per shape, minutes on the test machines) and eager it materialises the scores,
+and varlen attention does not read a block table (the keys would still be gathered, packed).
+
+Batch invariance: a query row's math depends only on its own request's keys. Padded key columns
+are masked (they add exact zeros to the softmax sums) and padded query rows are separate rows, so
+the padding another request causes does not change this request's numbers on CPU.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
@@ -23,33 +39,85 @@ ATTN_IMPLEMENTATION = "specd"
 
 
 @dataclass
-class AttentionMetadata:
-    """One forward's layout. Host lists drive the per-request loop; tensors live on the device."""
+class PagedMetadata:
+    """One forward's layout over B requests. Tensors only (a CUDA graph can replay it)."""
 
     kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache row of each new token
-    slots: list[int]  # batch_idx -> cache slot
-    cu_num_tokens: list[int]  # [num_reqs + 1] query offsets in the flat sequence
-    start_positions: list[int]  # batch_idx -> position of its first new token
-    causal_masks: list[torch.Tensor | None]  # batch_idx -> [n or query_pad, start + n] bool
-    query_pad: int = 0  # > 0: pad each request's queries to this many rows (batch invariance)
+    slot_mapping: torch.Tensor  # [T] flat cache row of each token (padding: the scratch block)
+    block_table: torch.Tensor  # [B, nb] physical blocks of each request's positions 0 .. L - 1
+    query_index: torch.Tensor  # [B, Q] flat token of query row j of request b (padding: 0)
+    out_index: torch.Tensor  # [T] row of the [B * Q + 1] outputs of each token; B * Q is zeros
+    mask: torch.Tensor  # [B, 1, Q, L] bool: query row j of request b sees key l
     fp32: bool = False  # attention math in float32
 
 
-@dataclass
-class DenseMetadata:
-    """A decode-shaped forward (see ``decode_graphs.py``): ``num_reqs`` requests of ``width``
-    tokens each, request-major, then padding tokens. Tensors only, so a CUDA graph can replay it."""
+def _mask(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
+    """q_pos [B, Q] (padding rows 0: they see key 0) -> [B, 1, Q, num_keys]."""
+    keys = torch.arange(num_keys, device=q_pos.device)
+    return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
 
-    kv_cache: KVCache
-    slot_mapping: torch.Tensor  # [num_tokens] flat cache row of each token
-    slot_idx: torch.Tensor  # [num_reqs] cache slot of each request row
-    mask: torch.Tensor  # [num_reqs, 1, query_rows, max_len] bool
-    num_reqs: int
-    width: int
-    query_rows: int  # >= width: queries padded to this many rows (batch invariance)
-    max_len: int  # keys read per request
-    fp32: bool = False
+
+def build_metadata(
+    kv_cache: KVCache,
+    slots: list[int],
+    start_positions: list[int],
+    num_tokens: list[int],
+    device: torch.device,
+    *,
+    num_padding: int = 0,
+    query_pad: int = 0,
+    fp32: bool = False,
+) -> PagedMetadata:
+    """Any layout: request b runs ``num_tokens[b]`` tokens from ``start_positions[b]``, flat and
+    request-major, then ``num_padding`` padding tokens (their keys go to the scratch block and no
+    request attends to them). Its slots must hold blocks up to their ends (``allocate``).
+    ``query_pad`` > 0: queries are padded to a multiple of it (one shape for any draft width)."""
+    b = len(slots)
+    starts = np.asarray(start_positions, np.int64)
+    counts = np.asarray(num_tokens, np.int64)
+    ends = starts + counts
+    if b and int(ends.max()) > kv_cache.max_model_len:
+        raise ValueError(
+            f"position {int(ends.max())} exceeds max_model_len {kv_cache.max_model_len}"
+        )
+    q = int(counts.max()) if b else 1
+    if query_pad:
+        q = -(-q // query_pad) * query_pad
+    nb = kv_cache.blocks.blocks_for(int(ends.max())) if b else 1
+    total = int(counts.sum())
+    cu = np.concatenate([[0], np.cumsum(counts)])
+    # flat token -> (request, offset)
+    owner = np.repeat(np.arange(b), counts)
+    offset = np.arange(total) - cu[owner]
+    positions = starts[owner] + offset
+    slots_np = np.asarray(slots, np.int64)
+    pad_rows = np.arange(num_padding) % kv_cache.block_size  # the scratch block
+    slot_mapping = np.concatenate(
+        [kv_cache.blocks.cache_rows(slots_np[owner], positions), pad_rows]
+    )
+    out_index = np.concatenate([owner * q + offset, np.full(num_padding, b * q)])
+    j = np.arange(q)
+    real = j[None, :] < counts[:, None]  # [B, Q]
+    query_index = np.where(real, cu[:-1, None] + j[None, :], 0)
+    q_pos = np.where(real, starts[:, None] + j[None, :], 0)
+    block_table = kv_cache.blocks.table_np[slots_np, :nb]
+    # one host-to-device copy for the five index arrays
+    flat = torch.from_numpy(
+        np.concatenate(
+            [slot_mapping, out_index, query_index.ravel(), q_pos.ravel(), block_table.ravel()]
+        )
+    ).to(device, non_blocking=True)
+    t = total + num_padding
+    parts = torch.split(flat, [t, t, b * q, b * q, b * nb])
+    return PagedMetadata(
+        kv_cache=kv_cache,
+        slot_mapping=parts[0],
+        block_table=parts[4].view(b, nb),
+        query_index=parts[2].view(b, q),
+        out_index=parts[1],
+        mask=_mask(parts[3].view(b, q), nb * kv_cache.block_size),
+        fp32=fp32,
+    )
 
 
 def build_dense_metadata(
@@ -63,80 +131,51 @@ def build_dense_metadata(
     max_len: int,
     query_rows: int,
     fp32: bool,
-) -> DenseMetadata:
-    """Query (r, j) at position p sees keys 0..p of its own slot; padded query rows see key 0."""
-    pos = positions[: num_reqs * width].view(num_reqs, width)
+) -> PagedMetadata:
+    """The padded decode layout (``decode_graphs.py``): ``num_reqs`` requests of ``width`` tokens
+    each, request-major, then padding tokens; request r reads the keys of its first ``max_len``
+    positions through row ``slot_idx[r]`` of the device block table. Built from device tensors
+    only. Query (r, j) at position p sees keys 0..p; padded query rows see key 0."""
+    device = positions.device
     rows = max(query_rows, width)
+    pos = positions[: num_reqs * width].view(num_reqs, width)
     if rows > width:
         pos = F.pad(pos, (0, rows - width))
-    keys = torch.arange(max_len, device=positions.device)
-    mask = (keys[None, None, :] <= pos[:, :, None])[:, None]  # [num_reqs, 1, rows, max_len]
-    return DenseMetadata(
-        kv_cache, slot_mapping, slot_idx, mask, num_reqs, width, rows, max_len, fp32
+    nb = kv_cache.blocks.blocks_for(max_len)
+    block_table = kv_cache.blocks.table[slot_idx, :nb]  # [B, nb]
+    tokens = torch.arange(num_reqs * width, device=device).view(num_reqs, width)
+    query_index = F.pad(tokens, (0, rows - width))  # [B, rows]
+    t = torch.arange(positions.shape[0], device=device)
+    out_index = torch.where(
+        t < num_reqs * width, (t // width) * rows + t % width, num_reqs * rows
+    )  # [T]
+    return PagedMetadata(
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        block_table=block_table,
+        query_index=query_index,
+        out_index=out_index,
+        mask=_mask(pos, nb * kv_cache.block_size),
+        fp32=fp32,
     )
 
 
-def _dense_attention(
-    meta: DenseMetadata, layer: int, query: torch.Tensor, scaling: float | None
+def _attend(
+    meta: PagedMetadata, layer: int, query: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
-    """query [1, heads, T, D] -> [1, T, heads, D]; rows past num_reqs * width come out zero."""
-    b, w = meta.num_reqs, meta.width
+    """query [1, heads, T, D] -> [1, T, heads, D]; padding tokens come out zero."""
     heads, d = query.shape[1], query.shape[3]
-    q = query[0, :, : b * w].reshape(heads, b, w, d).transpose(0, 1)  # [B, heads, W, D]
-    if meta.query_rows > w:
-        q = F.pad(q, (0, 0, 0, meta.query_rows - w))
-    k, v = meta.kv_cache.gather(layer, meta.slot_idx, meta.max_len)  # [B, kv_heads, L, D]
+    b, q_rows = meta.query_index.shape
+    q = query[0][:, meta.query_index].transpose(0, 1)  # [B, heads, Q, D]
+    k, v = meta.kv_cache.gather(layer, meta.block_table)  # [B, kv_heads, L, D]
     if meta.fp32:
         q, k, v = q.float(), k.float(), v.float()
     o = F.scaled_dot_product_attention(
         q, k, v, attn_mask=meta.mask, scale=scaling, enable_gqa=True
-    )  # [B, heads, rows, D]
-    out = query.new_zeros(query.shape[2], heads, d)  # [T, heads, D]
-    out[: b * w] = o[:, :, :w].transpose(1, 2).reshape(b * w, heads, d).to(out.dtype)
-    return out[None]
-
-
-def _causal_mask(start: int, n: int, rows: int, device: torch.device) -> torch.Tensor:
-    """[rows, start + n]: row j < n sees keys 0 .. start + j; padding rows see key 0 only."""
-    q_pos = torch.arange(start, start + rows, device=device)
-    q_pos = torch.where(q_pos < start + n, q_pos, 0)
-    return torch.arange(start + n, device=device)[None, :] <= q_pos[:, None]
-
-
-def build_metadata(
-    kv_cache: KVCache,
-    slots: list[int],
-    start_positions: list[int],
-    num_tokens: list[int],
-    device: torch.device,
-    *,
-    num_padding: int = 0,
-    query_pad: int = 0,
-    fp32: bool = False,
-) -> AttentionMetadata:
-    """``num_padding`` trailing tokens of the flat batch are padding: their keys go to the scratch
-    slot and no request attends to them."""
-    cu = [0]
-    rows: list[int] = []
-    masks: list[torch.Tensor | None] = []
-    for slot, start, n in zip(slots, start_positions, num_tokens, strict=True):
-        if start + n > kv_cache.max_model_len:
-            raise ValueError(f"position {start + n} exceeds max_model_len {kv_cache.max_model_len}")
-        cu.append(cu[-1] + n)
-        base = slot * kv_cache.max_model_len + start
-        rows.extend(range(base, base + n))
-        if query_pad and n <= query_pad:
-            masks.append(_causal_mask(start, n, query_pad, device))
-        elif n > 1:
-            masks.append(_causal_mask(start, n, n, device))
-        else:
-            masks.append(None)
-    scratch = kv_cache.scratch_slot * kv_cache.max_model_len
-    rows.extend(scratch + i % kv_cache.max_model_len for i in range(num_padding))
-    slot_mapping = torch.tensor(rows, dtype=torch.long).to(device, non_blocking=True)
-    return AttentionMetadata(
-        kv_cache, slot_mapping, slots, cu, start_positions, masks, query_pad, fp32
-    )
+    )  # [B, heads, Q, D]
+    o = o.transpose(1, 2).reshape(b * q_rows, heads, d).to(query.dtype)
+    o = torch.cat([o, o.new_zeros(1, heads, d)])  # [B * Q + 1, heads, D]: the last row is zeros
+    return o[meta.out_index][None]
 
 
 def specd_attention(
@@ -151,41 +190,18 @@ def specd_attention(
 ) -> tuple[torch.Tensor, None]:
     """query [1, heads, T, D]; key, value [1, kv_heads, T, D] -> output [1, T, heads, D]."""
     meta = kwargs.get("specd_meta")
+    assert isinstance(meta, PagedMetadata), "call the model with specd_meta=PagedMetadata"
     layer = module.layer_idx  # type: ignore[attr-defined]
-    if isinstance(meta, DenseMetadata):
-        # NOTE: the new keys go into the cache before the gather reads them back.
-        meta.kv_cache.write(
-            layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1)
-        )
-        return _dense_attention(meta, layer, query, scaling), None
-    assert isinstance(meta, AttentionMetadata), "call the model with specd_meta=AttentionMetadata"
-    cache = meta.kv_cache
-    cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    out = query.new_zeros(query.shape[2], query.shape[1], query.shape[3])  # [T, heads, D]
-    cu = meta.cu_num_tokens
-    for i, slot in enumerate(meta.slots):
-        a, b = cu[i], cu[i + 1]
-        k, v = cache.view(layer, slot, meta.start_positions[i] + b - a)  # [L, kv_heads, D]
-        q = query[:, :, a:b]  # [1, heads, n, D]
-        mask = meta.causal_masks[i]
-        if mask is not None and mask.shape[0] > b - a:  # padded queries: one shape for any n
-            q = F.pad(q, (0, 0, 0, mask.shape[0] - (b - a)))
-        k, v = k.transpose(0, 1)[None], v.transpose(0, 1)[None]  # [1, kv_heads, L, D]
-        if meta.fp32:
-            q, k, v = q.float(), k.float(), v.float()
-        o = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True
-        )  # [1, heads, rows, D]
-        out[a:b] = o[0, :, : b - a].transpose(0, 1).to(out.dtype)
-    return out[None], None
+    # NOTE: the new keys go into the cache before the gather reads them back.
+    meta.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    return _attend(meta, layer, query, scaling), None
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:
     return None
 
 
-# Opaque to torch.compile (compiled.py): it writes the KV cache in place and loops over requests on
-# the ragged path, so compiled decoder layers call it eagerly between their two halves. Eagerly the
-# wrapper costs ~0.3 us a call.
+# Opaque to torch.compile (compiled.py): it writes the KV cache in place, so compiled decoder
+# layers call it eagerly between their two halves. Eagerly the wrapper costs ~0.3 us a call.
 AttentionInterface.register(ATTN_IMPLEMENTATION, torch.compiler.disable(specd_attention))
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

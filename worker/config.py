@@ -27,6 +27,9 @@ class WorkerConfig:
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
+    kv_block_size: int = 16
+    num_kv_blocks: int = 0  # 0: from kv_cache_memory_gib, else max_num_seqs full-length slots
+    kv_cache_memory_gib: float = 0.0  # 0: not set
     batch_invariant: str | None = None  # None: "pad" on CUDA, "off" on CPU
     log_level: str = "INFO"
     log_format: str = "text"
@@ -69,6 +72,19 @@ class WorkerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError(
                 "--max-num-batched-tokens must be >= --max-num-seqs (one token per running request)"
+            )
+        if not 1 <= self.kv_block_size <= 1024:
+            raise ValueError("--kv-block-size must be between 1 and 1024 tokens")
+        if self.num_kv_blocks < 0 or self.kv_cache_memory_gib < 0:
+            raise ValueError("--num-kv-blocks and --kv-cache-memory must be >= 0 (0: not set)")
+        if self.num_kv_blocks and self.kv_cache_memory_gib:
+            raise ValueError("give --num-kv-blocks or --kv-cache-memory, not both")
+        per_seq = -(-self.max_model_len // self.kv_block_size)
+        if 0 < self.num_kv_blocks < per_seq:
+            raise ValueError(
+                f"--num-kv-blocks {self.num_kv_blocks} cannot hold one request of "
+                f"--max-model-len {self.max_model_len} ({per_seq} blocks of "
+                f"{self.kv_block_size}): raise it or lower --max-model-len"
             )
         if self.dtype not in (None, "float32", "bfloat16", "float16"):
             raise ValueError("--dtype must be float32, bfloat16 or float16")
@@ -156,6 +172,26 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         help="the longest sequence (prompt + output) in tokens",
     )
     ap.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=d.kv_block_size,
+        help="tokens per KV cache block (the paged cache's unit of allocation)",
+    )
+    ap.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=d.num_kv_blocks,
+        help="KV cache blocks of the target (0: from --kv-cache-memory, else the memory of "
+        "--max-num-seqs full --max-model-len sequences); at least one full-length sequence",
+    )
+    ap.add_argument(
+        "--kv-cache-memory",
+        type=float,
+        default=d.kv_cache_memory_gib,
+        help="GiB of the target's KV cache (keys and values, every layer, this rank's heads); "
+        "the number of blocks follows from the model's shape (0: not set)",
+    )
+    ap.add_argument(
         "--batch-invariant",
         default=None,
         choices=("off", "pad", "pad-fp32"),
@@ -237,6 +273,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         max_num_seqs=a.max_num_seqs,
         max_num_batched_tokens=a.max_num_batched_tokens,
         max_model_len=a.max_model_len,
+        kv_block_size=a.kv_block_size,
+        num_kv_blocks=a.num_kv_blocks,
+        kv_cache_memory_gib=a.kv_cache_memory,
         batch_invariant=a.batch_invariant,
         log_level=a.log_level,
         log_format=a.log_format,

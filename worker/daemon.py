@@ -42,8 +42,9 @@ from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.eagle import EagleDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.drafters.parallel import ParallelDrafter
+from worker.kv_cache import default_num_blocks
 from worker.metrics import WorkerMetrics
-from worker.model_executor import ModelExecutor
+from worker.model_executor import ModelExecutor, kv_blocks_for_memory
 from worker.model_loader import eos_token_ids, load_model
 from worker.runner import ModelRunner, StepError
 from worker.tensor_parallel import shard_model
@@ -68,8 +69,23 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     if cfg.tensor_parallel_size > 1:
         shard_model(target.model, cfg.tp_rank, cfg.tensor_parallel_size)
     k = cfg.num_speculative_tokens
+    bs = cfg.kv_block_size
+    full = default_num_blocks(cfg.max_num_seqs, cfg.max_model_len, bs)
+    target_blocks = cfg.num_kv_blocks or (
+        kv_blocks_for_memory(target.model, cfg.kv_cache_memory_gib, bs)
+        if cfg.kv_cache_memory_gib
+        else full
+    )
+    if target_blocks < -(-cfg.max_model_len // bs):
+        raise ValueError(
+            f"--kv-cache-memory {cfg.kv_cache_memory_gib} GiB holds {target_blocks} blocks, "
+            f"fewer than one --max-model-len {cfg.max_model_len} sequence needs"
+        )
+    # A draft cache runs up to k positions past the target's committed length: it gets the
+    # target's blocks plus that much per request (never more than full-length slots).
+    draft_blocks = min(full, target_blocks + cfg.max_num_seqs * (-(-(k + 1) // bs) + 1))
 
-    def executor_for(model: torch.nn.Module) -> ModelExecutor:
+    def executor_for(model: torch.nn.Module, num_kv_blocks: int) -> ModelExecutor:
         return ModelExecutor(
             model,
             max_num_seqs=cfg.max_num_seqs,
@@ -78,6 +94,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             decode_width=1 + k,
             cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
             compile_layers=cfg.enable_torch_compile,
+            num_kv_blocks=num_kv_blocks,
+            kv_block_size=bs,
         )
 
     drafter: Drafter = NoDrafter()
@@ -92,7 +110,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             > target.model.config.get_text_config().vocab_size
         ):
             raise ValueError("the draft model's vocabulary is larger than the target's")
-        draft_executor = executor_for(draft.model)
+        draft_executor = executor_for(draft.model, draft_blocks)
         # a smaller draft vocabulary is padded: its distributions are over the target's ids
         target_vocab = int(target.model.config.get_text_config().vocab_size)
         drafter = (
@@ -110,7 +128,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             max_model_len=cfg.max_model_len,
             max_num_tokens=k,
         )
-    executor = executor_for(target.model)
+    executor = executor_for(target.model, target_blocks)
     if executor.decode.use_graphs:
         t1 = time.monotonic()
         n = executor.decode.capture_all()
@@ -138,6 +156,8 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_num_seqs=cfg.max_num_seqs,
         tokenizer_path=target.tokenizer_directory,
         max_num_batched_tokens=cfg.max_num_batched_tokens,
+        num_kv_blocks=executor.kv_cache.num_blocks,
+        kv_block_size=executor.kv_cache.block_size,
     )
     log.info(
         "models ready in %.1f s (drafter %s, k=%d, batch_invariant %s)",
@@ -329,7 +349,12 @@ class WorkerLoop:
                 ),
             )
         self.reply(identity, out)
-        self.metrics.record_step(out, time.perf_counter() - t0, len(self.runner.states.slot_of))
+        self.metrics.record_step(
+            out,
+            time.perf_counter() - t0,
+            len(self.runner.states.slot_of),
+            self.runner.target.kv_cache.blocks.num_free,
+        )
         drafts = self.runner.take_draft_tokens()
         if drafts is not None:
             self.reply(identity, drafts)

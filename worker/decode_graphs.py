@@ -4,7 +4,7 @@ A step in which every request runs 1..W tokens (its last token plus up to W - 1 
 prefilling has a shape known in advance: a batch bucket, the step's width w (its widest request,
 so a step whose drafts were cut to fewer, or to none, costs what a narrower step costs) and a
 context-length bucket. The layout pads every request to w tokens and the batch to its bucket; padding tokens write their keys
-where nothing reads them (past the request's own positions, or the scratch slot) and their outputs
+where nothing reads them (past the request's own positions, or the scratch block) and their outputs
 are dropped. On CUDA each (batch bucket, length bucket) is captured once into a graph and then
 replayed: one launch for the whole model instead of a dozen Python-issued kernels per layer.
 Shapes are captured on first use.
@@ -145,20 +145,20 @@ class DecodeGraphs:
         """Rows past the real requests: dummy requests on the scratch slot, then token padding."""
         cache, w = self.kv_cache, shape.width
         ids, pos, slot_mapping, slot_idx, _dest = (t.numpy() for t in shape.split(shape.staging))
-        scratch = cache.scratch_slot * cache.max_model_len
+        bs = cache.block_size  # the scratch block holds flat rows 0 .. bs - 1
         t = np.arange(w)
         pos[num_reqs * w : shape.num_reqs * w] = np.tile(t, shape.num_reqs - num_reqs)
         slot_mapping[num_reqs * w : shape.num_reqs * w] = (
-            scratch + pos[num_reqs * w : shape.num_reqs * w]
+            pos[num_reqs * w : shape.num_reqs * w] % bs
         )
         tail = shape.num_tokens - shape.num_reqs * w
         pos[shape.num_reqs * w :] = 0
-        slot_mapping[shape.num_reqs * w :] = scratch + np.arange(tail) % cache.max_model_len
+        slot_mapping[shape.num_reqs * w :] = np.arange(tail) % bs
         slot_idx[num_reqs:] = cache.scratch_slot
         ids[:] = 0
 
     def _capture(self, shape: _Shape) -> None:
-        """Warm up on a side stream, then capture; the dummy inputs only touch the scratch slot."""
+        """Warm up on a side stream, then capture; the dummy inputs only touch the scratch block."""
         self._fill_padding(shape, 0)
         shape.inputs.copy_(shape.staging)
         torch.cuda.synchronize(self.device)
@@ -214,7 +214,8 @@ class DecodeGraphs:
         slots_np = np.asarray(slots, np.int64)
         real = (starts[:, None] + np.arange(w)).ravel()  # [num_reqs * W]
         pos[: num_reqs * w] = real
-        slot_mapping[: num_reqs * w] = np.repeat(slots_np, w) * cache.max_model_len + real
+        # padding tokens past a request's blocks land in the scratch block (cache_rows)
+        slot_mapping[: num_reqs * w] = cache.blocks.cache_rows(np.repeat(slots_np, w), real)
         slot_idx[:num_reqs] = slots_np
         # flat token f of request r at offset j -> padded row r * W + j
         counts = np.asarray(num_tokens, np.int64)

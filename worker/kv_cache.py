@@ -1,18 +1,32 @@
-"""The worker's KV cache: one slot per running request, rolled back by moving a length.
+"""The worker's paged KV cache: fixed-size blocks, a block table per request, rolled back by length.
 
-Layout per layer: keys and values ``[max_num_seqs * max_model_len, num_kv_heads, head_dim]``, token
-major, so one ``index_copy_`` writes every new token of a step (flat index = slot * max_model_len +
-position). The cache holds no lengths: each request's ``num_computed_tokens`` (in the runner's
-request state) says how much of its slot is valid, so rejecting drafts costs nothing.
+Layout per layer: keys and values ``[(num_blocks + 1) * block_size, num_kv_heads, head_dim]``,
+token major, so one ``index_copy_`` writes every new token of a step (flat row = physical block *
+block_size + position % block_size; ``BlockTable`` maps a request's positions to blocks, block 0 is
+scratch). The cache holds no lengths: each request's ``num_computed_tokens`` (in the runner's
+request state) says how much of its blocks is valid, so rejecting drafts costs nothing; the blocks
+wholly past that length go back to the free list when the runner trims.
+
+``num_blocks`` defaults to ``max_num_seqs * ceil(max_model_len / block_size)``: the memory of one
+``max_model_len`` slot per request, so every request can reach ``max_model_len`` at once.
 """
 
 from __future__ import annotations
 
 import torch
 
+from worker.block_table import BlockTable
+
+DEFAULT_BLOCK_SIZE = 16
+
+
+def default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -> int:
+    return max_num_seqs * -(-max_model_len // block_size)
+
 
 class KVCache:
-    """Owned by one ``ModelExecutor``; written only by the attention function during its forward."""
+    """Owned by one ``ModelExecutor`` (or the EAGLE drafter); written only by the attention
+    function during its forward. ``blocks`` says which blocks belong to which slot."""
 
     def __init__(
         self,
@@ -24,18 +38,49 @@ class KVCache:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        num_blocks: int | None = None,
     ) -> None:
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
-        # One extra slot past the last request's: padding tokens write their keys there.
-        self.scratch_slot = max_num_seqs
-        shape = ((max_num_seqs + 1) * max_model_len, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.max_blocks_per_seq = -(-max_model_len // block_size)
+        if num_blocks is None:
+            num_blocks = default_num_blocks(max_num_seqs, max_model_len, block_size)
+        self.blocks = BlockTable(
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_seqs=max_num_seqs,
+            max_blocks_per_seq=self.max_blocks_per_seq,
+            device=device,
+        )
+        self.scratch_slot = self.blocks.scratch_slot
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @property
+    def num_blocks(self) -> int:
+        return self.blocks.num_blocks
+
+    @property
     def capacity_tokens(self) -> int:
-        return self.max_num_seqs * self.max_model_len
+        return self.blocks.num_blocks * self.block_size
+
+    def allocate(self, slots: list[int], ends: list[int]) -> None:
+        """Before a forward: each slot holds blocks for its positions up to ``ends[i] - 1``,
+        and the device table shows them."""
+        for slot, end in zip(slots, ends, strict=True):
+            self.blocks.grow(slot, end)
+        self.blocks.sync()
+
+    def trim(self, slot: int, num_tokens: int) -> None:
+        """After a commit: give back the blocks wholly past ``num_tokens`` valid positions."""
+        self.blocks.trim(slot, num_tokens)
+
+    def free(self, slot: int) -> None:
+        """The request in ``slot`` left: all its blocks go back to the free list."""
+        self.blocks.trim(slot, 0)
 
     def write(
         self, layer: int, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -44,20 +89,14 @@ class KVCache:
         self.keys[layer].index_copy_(0, slot_mapping, k)
         self.values[layer].index_copy_(0, slot_mapping, v)
 
-    def gather(
-        self, layer: int, slot_idx: torch.Tensor, length: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of the first ``length`` positions of each slot in ``slot_idx`` [B]:
-        [B, num_kv_heads, length, head_dim] each (a copy; graph-safe: no host values)."""
-        rows = self.max_num_seqs + 1
-        keys = self.keys[layer].view(rows, self.max_model_len, *self.keys[layer].shape[1:])
-        values = self.values[layer].view(rows, self.max_model_len, *self.values[layer].shape[1:])
-        return (
-            keys[slot_idx, :length].transpose(1, 2),
-            values[slot_idx, :length].transpose(1, 2),
-        )
-
-    def view(self, layer: int, slot: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values of one request's first ``length`` positions: [length, heads, head_dim]."""
-        start = slot * self.max_model_len
-        return self.keys[layer][start : start + length], self.values[layer][start : start + length]
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the positions 0 .. nb * block_size - 1 of each row of
+        ``block_table`` [B, nb] (physical blocks): [B, num_kv_heads, nb * block_size, head_dim]
+        each (a copy; graph-safe: no host values)."""
+        bs = self.block_size
+        b, nb = block_table.shape
+        keys = self.keys[layer].view(-1, bs, *self.keys[layer].shape[1:])
+        values = self.values[layer].view(-1, bs, *self.values[layer].shape[1:])
+        k = keys[block_table].view(b, nb * bs, *keys.shape[2:])  # [B, L, kv_heads, D]
+        v = values[block_table].view(b, nb * bs, *values.shape[2:])
+        return k.transpose(1, 2), v.transpose(1, 2)

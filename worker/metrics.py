@@ -41,6 +41,9 @@ class WorkerMetrics:
         self.running = Gauge(
             "specd_worker_running_requests", "Requests holding a KV slot", registry=r
         )
+        self.kv_blocks_free = Gauge(
+            "specd_worker_kv_blocks_free", "Free blocks of the target's paged KV cache", registry=r
+        )
         self.errors = Counter(
             "specd_worker_errors_total", "WorkerErrors sent, by code", ["code"], registry=r
         )
@@ -50,8 +53,11 @@ class WorkerMetrics:
         server, _thread = start_http_server(max(port, 0), registry=self.registry)
         return int(server.server_port)
 
-    def record_step(self, out: ModelRunnerOutput, seconds: float, running: int) -> None:
+    def record_step(
+        self, out: ModelRunnerOutput, seconds: float, running: int, kv_blocks_free: int = 0
+    ) -> None:
         self.steps.inc()
+        self.kv_blocks_free.set(kv_blocks_free)
         self.step_seconds.observe(seconds)
         self.batch_size.observe(len(out.req_ids))
         self.running.set(running)

@@ -1,4 +1,5 @@
-"""One model and its KV cache: run a ragged forward and return the logits the caller asks for."""
+"""One model and its paged KV cache: run a forward over any layout and return the logits the caller
+asks for."""
 
 from __future__ import annotations
 
@@ -10,11 +11,32 @@ from transformers import PreTrainedModel
 from worker.attention import ATTN_IMPLEMENTATION, build_dense_metadata, build_metadata
 from worker.compiled import CompiledLayers
 from worker.decode_graphs import DecodeGraphs
-from worker.kv_cache import KVCache
+from worker.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 
 BATCH_INVARIANT_MODES = ("off", "pad", "pad-fp32")
 TOKEN_BUCKET = 64
 QUERY_PAD = 16
+
+
+def kv_shape(model: PreTrainedModel) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of ``model``'s KV cache on this rank."""
+    cfg = model.config.get_text_config()
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    kv_heads = (
+        # a tensor-parallel rank holds only its share of the KV heads (tensor_parallel.py)
+        getattr(model, "specd_num_kv_heads", None)
+        or getattr(cfg, "num_key_value_heads", None)
+        or cfg.num_attention_heads
+    )
+    return int(cfg.num_hidden_layers), int(kv_heads), int(head_dim)
+
+
+def kv_blocks_for_memory(model: PreTrainedModel, gib: float, block_size: int) -> int:
+    """How many KV blocks of ``block_size`` tokens fit in ``gib`` GiB for ``model``."""
+    layers, kv_heads, head_dim = kv_shape(model)
+    dtype = next(model.parameters()).dtype
+    per_block = 2 * layers * kv_heads * head_dim * block_size * dtype.itemsize
+    return int(gib * 2**30) // per_block
 
 
 class ModelExecutor:
@@ -30,6 +52,8 @@ class ModelExecutor:
         decode_width: int = 1,
         cuda_graphs: bool = True,
         compile_layers: bool = False,
+        num_kv_blocks: int | None = None,
+        kv_block_size: int = DEFAULT_BLOCK_SIZE,
     ) -> None:
         """``batch_invariant``: "off"; "pad" rounds every forward up to a multiple of
         ``TOKEN_BUCKET`` tokens and pads each request's queries to ``QUERY_PAD`` rows, so a token's
@@ -41,7 +65,10 @@ class ModelExecutor:
         ``DecodeGraphs`` (replayed from CUDA graphs on GPU unless ``cuda_graphs`` is False).
 
         ``compile_layers``: decode-shaped forwards run torch.compile'd decoder layers
-        (compiled.py)."""
+        (compiled.py).
+
+        ``num_kv_blocks`` blocks of ``kv_block_size`` tokens make the paged KV cache (None: the
+        memory of ``max_num_seqs`` full-length slots, kv_cache.py)."""
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}")
         self.batch_invariant = batch_invariant
@@ -57,18 +84,17 @@ class ModelExecutor:
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
         self.vocab_size = int(cfg.vocab_size)
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        num_layers, num_kv_heads, head_dim = kv_shape(model)
         self.kv_cache = KVCache(
-            num_layers=cfg.num_hidden_layers,
-            # a tensor-parallel rank holds only its share of the KV heads (tensor_parallel.py)
-            num_kv_heads=getattr(model, "specd_num_kv_heads", None)
-            or getattr(cfg, "num_key_value_heads", None)
-            or cfg.num_attention_heads,
+            num_layers=num_layers,
+            num_kv_heads=num_kv_heads,
             head_dim=head_dim,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             dtype=self.dtype,
             device=self.device,
+            block_size=kv_block_size,
+            num_blocks=num_kv_blocks,
         )
         self.backbone = model.get_decoder()
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
@@ -126,7 +152,12 @@ class ModelExecutor:
 
         input_ids, positions: [num_tokens_total]; logits_indices: [num_logits] rows to project.
         Returns (logits [num_logits, vocab] float32, hidden states [num_tokens_total, hidden]).
+        Each slot first holds KV blocks up to its last new position (``KVCacheFull`` if none
+        are left: the caller's accounting failed).
         """
+        self.kv_cache.allocate(
+            slots, [s + n for s, n in zip(start_positions, num_tokens, strict=True)]
+        )
         if self.decode.fits(num_tokens, start_positions):
             return self.decode.forward(
                 input_ids, slots, start_positions, num_tokens, logits_indices

@@ -80,7 +80,11 @@ class ModelRunner:
         self.draft_tokens.begin_step(sched.step_id)
         try:
             rejected = check_step(
-                sched, self.states, self.limits, can_defer=wait_bitmask is not None
+                sched,
+                self.states,
+                self.limits,
+                can_defer=wait_bitmask is not None,
+                blocks=self.target.kv_cache.blocks,
             )
         except StepError:
             self.release(sched)  # the scheduler has let them go and never names them again
@@ -113,9 +117,12 @@ class ModelRunner:
                 apply_grammar(deferred.grammar_bitmask, plan, logits)
         except StepError:
             # Nothing of a refused step stays applied: its new requests leave again (the KV the
-            # forward wrote past each request's computed length is overwritten before it is read).
+            # forward wrote past each request's computed length is overwritten before it is read,
+            # and the blocks it took past that length go back).
             for req_id in added:
-                self.states.remove(req_id)
+                self._drop(req_id)
+            for slot in self.states.slot_of.values():
+                self.target.kv_cache.trim(slot, int(self.states.num_computed[slot]))
             raise
         tokens, num_accepted = self.accept(sched, batch, logits)
         for j, cap in caps.items():  # at most the drafts the grammar allows (greedy only)
@@ -130,9 +137,7 @@ class ModelRunner:
     def reset(self) -> None:
         """Drop every request (a new scheduler took over)."""
         for req_id in list(self.states.slot_of):
-            slot = self.states.remove(req_id)
-            if slot is not None:
-                self.drafter.remove(slot)
+            self._drop(req_id)
         self.draft_tokens.begin_step(-1)
 
     def take_draft_tokens(self) -> DraftTokenIds | None:
@@ -143,10 +148,15 @@ class ModelRunner:
         """The step's finished and aborted requests leave (unknown ids are ignored)."""
         gone = [*sched.finished_req_ids, *sched.aborted_req_ids]
         for req_id in gone:
-            slot = self.states.remove(req_id)
-            if slot is not None:
-                self.drafter.remove(slot)
+            self._drop(req_id)
         self.draft_tokens.discard(gone)
+
+    def _drop(self, req_id: str) -> None:
+        """A request leaves: its slot, its KV blocks and the drafter's state for it."""
+        slot = self.states.remove(req_id)
+        if slot is not None:
+            self.target.kv_cache.free(slot)
+            self.drafter.remove(slot)
 
     def update_requests(
         self, sched: SchedulerOutput, rejected: list[WorkerRequestError]
@@ -239,6 +249,10 @@ class ModelRunner:
             st.append(slot, tokens[j, : a + 1].tolist())
             st.num_computed[slot] += a
             num_sampled[i] = a + 1
+        # Blocks wholly past the computed length (rejected drafts) go back: between steps a
+        # request holds ceil(num_computed / block_size) blocks, as the scheduler counts them.
+        for slot in batch.slots:
+            self.target.kv_cache.trim(slot, int(st.num_computed[slot]))
         return num_sampled
 
     def feed_hidden_states(

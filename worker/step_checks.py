@@ -10,7 +10,8 @@ its field) and the rest of the step runs. ``check_bitmask`` does the same for th
 overlap scheduling (``StepBitmask``), which arrive after the step's forward has been launched.
 
 Step-level refusals use the codes the scheduler reads as "this step was refused" (``bad_step``,
-``width_mismatch``, ``unknown_request``, ``too_long``); a refused request keeps its own code.
+``width_mismatch``, ``unknown_request``, ``too_long``, ``no_kv_blocks``); a refused request keeps its
+own code.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from protocol.messages import NewRequest, SchedulerOutput, StepBitmask
+from worker.block_table import BlockTable
 from worker.requests import RequestStates, WorkerRequestError
 from worker.step_batch import StepError
 
@@ -87,10 +89,13 @@ def check_step(
     limits: StepLimits,
     *,
     can_defer: bool = True,
+    blocks: BlockTable | None = None,
 ) -> list[WorkerRequestError]:
     """Refuse the step (``StepError``) or return the new requests refused alone. Changes nothing.
-    The step's finished and aborted ids count as gone (their slots free) before it adds requests.
-    ``can_defer``: the caller can wait for deferred rows."""
+    The step's finished and aborted ids count as gone (their slots and KV blocks free) before it
+    adds requests. ``can_defer``: the caller can wait for deferred rows. ``blocks``: the target's
+    KV block table; a step whose requests would need more blocks than are free is refused
+    (``no_kv_blocks``) before anything is written."""
     fault = _fault(sched.step_id)
     vocab, k = limits.vocab_size, limits.max_num_draft_tokens
     if sched.step_id < 0:
@@ -167,6 +172,7 @@ def check_step(
     skip = {e.req_id for e in rejected}
 
     # The layout: every scheduled request's counts against its own state.
+    grow = 0  # KV blocks the step's forward takes
     rows_of: dict[str, int] = {}  # req_id -> logit rows it samples (w + 1), for sampling requests
     greedy: dict[str, bool] = {}
     d_end = 0
@@ -235,12 +241,42 @@ def check_step(
                 "too_long",
                 req_id,
             )
+        if blocks is not None:
+            grow += (
+                blocks.needed(states.slot_of[req_id], c + n)
+                if running(req_id)
+                else blocks.blocks_for(c + n)
+            )
         if c + m == length:
             rows_of[req_id] = w + 1
             greedy[req_id] = temperature == 0
+    if blocks is not None:
+        _check_blocks(sched, states, blocks, gone, grow, fault)
     _check_grammar(sched, rows_of, skip, vocab, fault)
     _check_deferred(sched, rows_of, greedy, can_defer, fault)
     return rejected
+
+
+def _check_blocks(
+    sched: SchedulerOutput,
+    states: RequestStates,
+    blocks: BlockTable,
+    gone: set[str],
+    grow: int,
+    fault: Fault,
+) -> None:
+    """The blocks the forward takes must be free once the step's gone requests have left."""
+    free = blocks.num_free + sum(
+        int(blocks.num_held[states.slot_of[g]]) for g in gone if g in states.slot_of
+    )
+    if grow > free:
+        raise fault(
+            "num_scheduled_tokens",
+            f"the step needs {grow} more KV blocks of {blocks.block_size} tokens but {free} of "
+            f"{blocks.num_blocks} are free (the scheduler must count blocks as "
+            "ceil((num_computed + num_scheduled) / kv_block_size) per request)",
+            "no_kv_blocks",
+        )
 
 
 def _check_grammar(

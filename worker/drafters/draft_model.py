@@ -36,6 +36,7 @@ class DraftModelDrafter(Drafter):
 
     def remove(self, slot: int) -> None:
         self.num_computed[slot] = 0
+        self.executor.kv_cache.free(slot)
         self.num_fed[slot] = 0
 
     def _roll_back(self, states: RequestStates, slot: int) -> None:

@@ -91,6 +91,7 @@ class EagleDrafter(Drafter):
     def remove(self, slot: int) -> None:
         self.num_features[slot] = 0
         self.num_computed[slot] = 0
+        self.kv_cache.free(slot)
 
     def observe(self, slots: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
         if not len(slots):
@@ -113,6 +114,7 @@ class EagleDrafter(Drafter):
         positions = torch.from_numpy(
             np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
         ).to(self.device)
+        self.kv_cache.allocate(slots, [s + c for s, c in zip(starts, counts, strict=True)])
         meta = build_metadata(self.kv_cache, slots, starts, counts, self.device)
         out = self.head(
             embeds[None],

@@ -44,6 +44,7 @@ class ParallelDrafter(Drafter):
 
     def remove(self, slot: int) -> None:
         self.num_computed[slot] = 0
+        self.executor.kv_cache.free(slot)
 
     def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
         ex = self.executor
