@@ -12,7 +12,7 @@ plat=()
 for n in 2_28 2_27 2_17 2_24 2_31 2_34 2_35 2_5; do plat+=(--platform "manylinux_${n}_x86_64"); done
 plat+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
 for pkg in pyzmq msgspec gguf llguidance prometheus_client jsonschema jsonschema-specifications \
-  referencing rpds-py; do
+  referencing rpds-py starlette uvicorn click; do
   ls .whl | grep -qi "^$(echo "$pkg" | tr - _)-" && continue
   $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${plat[@]}" -d .whl "$pkg"

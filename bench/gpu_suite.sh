@@ -4,7 +4,8 @@
 #   bash bench/gpu_suite.sh          # next call, right after: carries .carry/p2 and .whl
 # A call carries at most 64 MiB with the tree (~9 MB with the shipped EAGLE head): GGUF parts of
 # 52,000,000 + 46,362,432 bytes; .whl holds pyzmq, msgspec, gguf, llguidance, prometheus_client
-# (what everything needs) and jsonschema with its needs (test modules import it); bench/gpu_carry.sh
+# (what everything needs), starlette, uvicorn and click (the HTTP door), and jsonschema with its
+# needs (test modules import it); bench/gpu_carry.sh
 # makes .whl and both parts; .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
 # carry it in a later call (STAGES=structured), the model stays in /tmp while the machine is warm.
 # Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
@@ -18,8 +19,7 @@
 #   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py),
 #   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
 #   --load-format dummy), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
-#   SERVE_ARGS (more flags for serve_bench.py). The serve stage needs only the .whl wheels (the
-#   scheduler's HTTP door is the standard library's).
+#   SERVE_ARGS (more flags for serve_bench.py). The serve stage needs only the .whl wheels.
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
