@@ -73,13 +73,6 @@ def _structured(r: m.CompletionRequest | m.ChatRequest) -> dict[str, Any] | None
                 "structured_outputs must have one of json, regex, choice, grammar",
                 param="structured_outputs",
             )
-        value = next(iter(so.values()))
-        if isinstance(value, str) and len(value) > m.MAX_GRAMMAR_CHARS:
-            raise ApiError(
-                400,
-                f"structured_outputs: a constraint over {m.MAX_GRAMMAR_CHARS} characters",
-                param="structured_outputs",
-            )
         found.append(dict(so))
     if len(found) > 1:
         raise ApiError(400, "give one structured-output constraint, not several")

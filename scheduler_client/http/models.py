@@ -21,9 +21,8 @@ MAX_MESSAGES = 4096
 MAX_STOP_CHARS = 4096
 MAX_TEMPERATURE = 100.0  # softmax at T=100 is flat already; larger values are typos
 MAX_JSON_DEPTH = 64  # a schema or structured_outputs nested deeper is refused
-# a regex or grammar longer than this is refused: it compiles on the engine's thread (a 100k
-# character regex took 1.8 s there, delaying every running request)
-MAX_GRAMMAR_CHARS = 16384
+# A regex's or grammar's length is not capped here: --max-regex-chars and --max-grammar-bytes
+# (scheduler_client/limits.py) bound it before it compiles, off the engine's thread (prep.py).
 
 Count = Annotated[int, Meta(ge=1, le=INT32_MAX)]
 TokenId = Annotated[int, Meta(ge=0, le=INT32_MAX)]  # below the vocabulary: openai_api
@@ -36,7 +35,7 @@ Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
 Bias = Annotated[float, Meta(ge=-100.0, le=100.0)]
 NumDrafts = Annotated[int, Meta(ge=0, le=INT32_MAX)]
 StopText = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
-GrammarText = Annotated[str, Meta(max_length=MAX_GRAMMAR_CHARS)]
+GrammarText = str
 Stop = StopText | Annotated[list[StopText], Meta(max_length=MAX_LIST)]
 
 
