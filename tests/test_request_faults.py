@@ -368,6 +368,7 @@ def test_the_restart_budget_is_a_rate() -> None:
         RestartBudget(1, window_s=0)
 
 
+@pytest.mark.long
 def test_restarts_spaced_past_the_window_are_each_recovered(tmp_path: Path, model: Path) -> None:
     """One restart per second allowed: two deaths more than a second apart are both recovered
     (a lifetime count of one would have failed everything at the second), outputs unchanged."""

@@ -353,6 +353,7 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path)
                 os.kill(worker, signal.SIGKILL)
 
 
+@pytest.mark.long
 def test_data_parallel_spreads_requests_over_two_workers(tmp_path: Path, model: Path) -> None:
     d = start_daemon(tmp_path, model, "--data-parallel-size", "2")
     try:

@@ -118,6 +118,7 @@ def daemon_outputs(
         return [r.output_ids for r in done]
 
 
+@pytest.mark.long
 def test_worker_daemon_with_two_ranks_serves_the_same_greedy_text(tmp_path: Path) -> None:
     """``specd-worker --tensor-parallel-size 2`` on CPU: rank 0 serves the scheduler and
     broadcasts each step to rank 1 (a process it launched); the output equals one process's."""
@@ -126,6 +127,7 @@ def test_worker_daemon_with_two_ranks_serves_the_same_greedy_text(tmp_path: Path
     assert daemon_outputs(model, "1", work, tmp_path) == daemon_outputs(model, "2", work, tmp_path)
 
 
+@pytest.mark.long
 def test_two_ranks_with_overlap_scheduling_and_deferred_rows(tmp_path: Path) -> None:
     """Overlap scheduling against a TP=2 worker: rank 0 relays each deferred StepBitmask to rank 1.
     A structured greedy request (its rows deferred) and a plain one give the same output as one
