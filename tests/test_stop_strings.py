@@ -31,7 +31,15 @@ def test_released_text_is_the_text_before_the_first_stop(
 ) -> None:
     bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
     deltas = [text[i:j] for i, j in itertools.pairwise(bounds)]
-    hits = [text.find(s) for s in stops if s in text]
+    # Generation ends with the first delta that completes a stop (nothing after it is ever
+    # produced): the answer ends before the earliest-starting stop in the text up to that delta.
+    # (Text "::\n:" in deltas "::\n", ":" with stops "\n" and ":\n:" ends "::": ":\n:" would
+    # start earlier, but "\n" completes first.)
+    hits: list[int] = []
+    for end in bounds[1:]:
+        hits = [text[:end].find(s) for s in stops if s in text[:end]]
+        if hits:
+            break
     want = text[: min(hits)] if hits else text
     ss = StopStrings(tuple(stops))
     out = ""

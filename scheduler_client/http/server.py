@@ -12,6 +12,7 @@ import asyncio
 import logging
 import socket
 import threading
+import time
 from dataclasses import dataclass
 
 import uvicorn
@@ -24,6 +25,7 @@ log = logging.getLogger("specd.http")
 
 BACKLOG = 1024  # 64 clients connecting at once were reset with socketserver's 5 (H200 bench)
 SHUTDOWN_S = 3.0  # after the drain: the longest uvicorn waits for answers still being written
+START_S = 30.0  # the longest ``start`` waits for uvicorn's loop to accept
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +91,9 @@ class DoorServer:
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             self.sock.bind((host, port))
+            # listening from here on: a client that connects before uvicorn's loop runs waits in
+            # the backlog instead of being refused (the daemon says "ready" right after start)
+            self.sock.listen(BACKLOG)
         except OSError:
             self.sock.close()
             raise
@@ -116,7 +121,11 @@ class DoorServer:
         return str(host), int(port)
 
     def start(self) -> None:
+        """Serve from a thread; returns once uvicorn accepts (or after ``START_S``)."""
         self.thread.start()
+        deadline = time.monotonic() + START_S
+        while not self.server.started and self.thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
 
     def stop(self) -> None:
         self.server.should_exit = True
