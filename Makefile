@@ -23,7 +23,7 @@ setup: ## create .venv and install specd, CPU torch, the embedded model and dev 
 test: ## run the test suite (CPU), the heavy runs marked `long` left out
 	$(PY) -m pytest -q -ra -m "not long"
 
-test-long: ## the heavy end-to-end runs marked `long` (data parallel, TP daemons, the restart window)
+test-long: ## the heavy runs marked `long` (data parallel, TP daemons and 3 of 4 TP pairs, the restart window, the daemon replay, compiled layers)
 	$(PY) -m pytest -q -ra -m long
 
 hostile: ## 10,000 generated hostile HTTP requests against a running specd-scheduler (HOSTILE_ARGS='--count N --seed S'); fails on a 5xx, no answer in 5 s, a changed good output or an exit

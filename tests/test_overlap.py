@@ -16,7 +16,7 @@ import pytest
 from protocol.messages import SchedulerOutput
 from scheduler_client import Engine
 from tests.models import greedy_reference, reference_copy, tiny_model
-from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts
+from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
 
 
 @pytest.fixture(scope="module", params=["none", "ngram", "draft_model"])
@@ -24,8 +24,10 @@ def pair(
     request: pytest.FixtureRequest, target_dir: Path, draft_dir: Path
 ) -> Iterator[tuple[Engine, Engine]]:
     draft = draft_dir if request.param == "draft_model" else None
-    sync = engine(target_dir, request.param, draft)
-    over = engine(target_dir, request.param, draft, async_scheduling=True)
+    sync, over = started_together(
+        lambda: engine(target_dir, request.param, draft),
+        lambda: engine(target_dir, request.param, draft, async_scheduling=True),
+    )
     yield sync, over
     sync.close()
     over.close()

@@ -9,7 +9,8 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import jsonschema
@@ -28,6 +29,7 @@ def engine(
     draft: Path | None = None,
     *,
     async_scheduling: bool = False,
+    adaptive_speculation: bool = True,
     **kw: object,
 ) -> Engine:
     return Engine(
@@ -44,11 +46,27 @@ def engine(
                 max_num_batched_tokens=512,
                 max_prefill_chunk=48,
                 async_scheduling=async_scheduling,
+                adaptive_speculation=adaptive_speculation,
             ),
             step_timeout_s=60,
             **kw,  # type: ignore[arg-type]
         )
     )
+
+
+def started_together(*makers: Callable[[], Engine]) -> list[Engine]:
+    """Engines built at once, each on its own thread: their workers import torch side by side
+    (seconds each, one core apiece) instead of one after the other. If one fails to start, the
+    others are closed and its error raised."""
+    with ThreadPoolExecutor(len(makers)) as pool:
+        futures = [pool.submit(make) for make in makers]
+    errors = [f.exception() for f in futures]
+    made = [f.result() for f, e in zip(futures, errors, strict=True) if e is None]
+    if len(made) < len(makers):
+        for e in made:
+            e.close()
+        raise next(err for err in errors if err is not None)
+    return made
 
 
 @pytest.fixture(scope="module", params=["none", "ngram", "draft_model"])

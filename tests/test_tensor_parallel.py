@@ -57,8 +57,16 @@ def rank_main(rank: int, world: int, init: str, arch: str, drafter: str, out: An
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+# Each pair spawns two ranks (~10 s on 2 cores): `make test` runs one, `make test-long` the rest.
+TP_CASES = [
+    ("llama", "ngram"),
+    *(pytest.param(a, d, marks=pytest.mark.long) for a, d in [
+        ("llama", "none"), ("qwen2", "none"), ("qwen2", "ngram")
+    ]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("arch", "drafter"), TP_CASES)
 def test_tp2_with_gloo_equals_tp1(arch: str, drafter: str, tmp_path: Path) -> None:
     single = generate(tiny_model(arch, seed=71), drafter)
     ctx = mp.get_context("spawn")

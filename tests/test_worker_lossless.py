@@ -144,6 +144,7 @@ def test_batch_invariant_padding_stays_lossless(mode: str) -> None:
         assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id
 
 
+@pytest.mark.long  # ~15 s of compiling on 2 cores; the GPU stage runs the compiled path too
 def test_compiled_layers_stay_lossless() -> None:
     """``--enable-torch-compile``: the compiled decoder layers (inductor's C++ kernels here, Triton
     on GPU) with n-gram drafts, requests joining and leaving, chunked prefill: every output equals
