@@ -79,6 +79,8 @@ def worker_cmd(a: argparse.Namespace, drafter: str, addr: str) -> list[str]:
     cmd += ["--num-speculative-tokens", str(0 if drafter == "none" else a.k)]
     if drafter == "eagle":
         cmd += ["--eagle-head", a.eagle_head]
+    if a.compile:
+        cmd += ["--enable-torch-compile"]
     if a.device:
         cmd += ["--device", a.device]
     if a.dtype:
@@ -154,7 +156,7 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
             head = a.eagle_head if drafter == "eagle" else None
             runner = make_runner(
                 loaded.model, make_drafter(drafter, k, loaded.model, c, head), k, c, mode,
-                graphs=device.type == "cuda",
+                graphs=device.type == "cuda", compile_layers=a.compile,
             )  # fmt: skip
             out = decode(runner, group, a.max_tokens, k)
             rows.append(
@@ -243,6 +245,12 @@ def main() -> None:
         nargs="+",
         default=["served", "in-process", "hf-graph"],
         choices=("served", "in-process", "hf-graph"),
+    )
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile'd decoder layers: the workers' --enable-torch-compile, and the same "
+        "for the in-process runner (the hf-graph rows stay transformers' own layers)",
     )
     ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
     ap.add_argument("--json-out", default=None)
