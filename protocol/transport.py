@@ -185,7 +185,14 @@ def bind_router(ctx: zmq.Context[zmq.Socket[bytes]], addr: str, config: Transpor
         sock.curve_publickey = public
         sock.curve_secretkey = secret
         sock.curve_server = True
-    sock.bind(addr)
+    try:
+        sock.bind(addr)
+    except zmq.ZMQError:
+        # the caller gets nothing to close: this socket and the authenticator's thread go here
+        sock.close(linger=0)
+        if authenticator is not None:
+            authenticator.stop()
+        raise
     if addr.startswith("ipc://"):
         os.chmod(addr[len("ipc://") :], 0o600)
     chan = Channel(sock, config, routed=True)

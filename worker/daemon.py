@@ -42,16 +42,16 @@ def main(argv: list[str] | None = None) -> int:
         chan = bind_router(ctx, cfg.listen, cfg.transport())
     except zmq.ZMQError as e:
         log.error("cannot bind %s: %s", cfg.listen, e)
-        ctx.destroy(linger=0)  # closes the socket that failed to bind too (term() would wait)
+        ctx.term()  # bind_router closed what it opened
         return EXIT_CONFIG
     try:
         check_model_spec(cfg.model)
         if cfg.draft_model is not None:
             check_model_spec(cfg.draft_model)
-    except FileNotFoundError as e:
+    except OSError as e:  # missing, or a path this user may not read
         log.error("model load failed: %s", e)
         chan.close(linger_ms=0)
-        ctx.destroy(linger=0)
+        ctx.term()
         return EXIT_LOAD
     from worker.service import serve  # torch and transformers: seconds
 

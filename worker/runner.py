@@ -4,7 +4,7 @@ What belongs here: sequencing (update the batch, one target forward, grammar row
 draft). What does not: the step's layout and the checks that keep the scheduler and the worker in
 agreement (step_batch.py), placing grammar rows (grammar_rows.py), attention (attention.py), sampling
 math (rejection.py, sampling.py), drafting (drafters/), the host copy of drafts (draft_tokens.py),
-sockets (daemon.py).
+sockets (service.py).
 
 A step for request r with ``num_computed`` c, committed length L, scheduled n tokens of which w are
 drafts: the worker runs tokens[c : c + n - w] plus the w drafts at positions c .. c + n - 1. When
