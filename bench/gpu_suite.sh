@@ -36,10 +36,13 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 for part in .carry/p1/gguf.part00 .carry/p2/gguf.part01; do
   if [ -f "$part" ]; then cp "$part" /tmp/specd-model/ || exit 1; fi
 done
-if ls .whl/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl $(ls .whl2/*.whl 2>/dev/null) || exit 1
-elif [ ! -d /tmp/site ]; then
+for wheels in .whl .whl2; do  # .whl2: the xgrammar stage's extras, whenever they come
+  if ls $wheels/*.whl > /dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site $wheels/*.whl || exit 1
+  fi
+done
+if [ ! -d /tmp/site ]; then
   echo "no .whl carried and none installed by an earlier call"; exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECD_CACHE_DIR=/tmp/specd-cache NCCL_NVLS_ENABLE=0

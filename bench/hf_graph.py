@@ -71,9 +71,12 @@ class GraphedDecode:
         off the end of the cache (a device-side assert on the H200). The captured step advances
         the counter with ``pos``, so one rewind keeps them together."""
         for layer in getattr(self.cache, "layers", ()):
-            counter = getattr(layer, "cumulative_length", None)
-            if isinstance(counter, torch.Tensor):
-                counter.fill_(length)
+            for name in ("cumulative_length", "indexer_cumulative_length"):
+                counter = getattr(layer, name, None)
+                if isinstance(counter, torch.Tensor):
+                    counter.fill_(length)
+            if isinstance(getattr(layer, "cumulative_length_int", None), int):
+                layer.cumulative_length_int = length  # sliding-window layers' host copy
 
     def _step(self, *, commit: bool) -> None:
         self.mask.index_fill_(-1, self.pos, True)

@@ -159,6 +159,7 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
                 graphs=device.type == "cuda", compile_layers=a.compile,
             )  # fmt: skip
             out = decode(runner, group, a.max_tokens, k)
+            seconds, steps, tokens = out["decode"]  # decode steps only, no prefill in them
             rows.append(
                 {
                     "path": "in-process",
@@ -166,6 +167,17 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
                     "mode": "-",
                     "load": f"c={c}",
                     "output_tok_s": round(out["tps"], 2),
+                    # what a served TPOT compares with: ms per decode step, and per token sampled
+                    # by one request in them (more than one a step with accepted drafts); the
+                    # TPOT column shows the step without drafts (a token a step), else per token
+                    "decode_step_ms": round(1000 * seconds / max(steps, 1), 3),
+                    "decode_ms_per_token": round(1000 * seconds * c / max(tokens, 1), 3),
+                    "tpot": {
+                        "p50_ms": round(1000 * seconds / max(steps, 1), 3)
+                        if k == 0
+                        else round(1000 * seconds * c / max(tokens, 1), 3),
+                        "p99_ms": "-",
+                    },
                     "mean_acceptance_length": round(out["mean_len"], 3) if k else None,
                 }
             )

@@ -106,8 +106,9 @@ def kill_worker(d: Daemon, old: str | None = None) -> str:
     return pid
 
 
-# make test keeps test_request_faults.py::test_64_streams_survive_a_kill_9_of_their_worker (the
-# same replay through the daemon, with 64 streams); this one runs in make test-long.
+# make test keeps test_request_faults.py::test_64_streams_survive_a_kill_9_of_their_worker (a
+# kill -9 under the daemon, 64 streamed requests replayed to their undisturbed outputs); this one
+# (non-streamed requests, then SIGTERM and exit 0 after the replay) runs in make test-long.
 @pytest.mark.long
 def test_daemon_replays_a_killed_worker_s_requests_identically(tmp_path: Path, model: Path) -> None:
     d = start_daemon(tmp_path, model)
