@@ -289,14 +289,15 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant(
         "replay-keeps-computed",
         "scheduler_client/scheduler.py",
-        """        for req in reversed(self.running):
-            req.status = Status.WAITING
-            req.num_computed = 0
+        """    req.status = Status.WAITING
+    req.num_computed = 0
+    req.sent_to_worker = False
 """,
-        """        for req in reversed(self.running):
-            req.status = Status.WAITING
+        """    req.status = Status.WAITING
+    req.sent_to_worker = False
 """,
-        "requeue_all keeps num_computed, as if the new worker held the old one's KV",
+        "a requeued request (its worker replaced, or preempted) keeps num_computed, as if the "
+        "worker still held its KV",
         REPLAY,
     ),
     # -- DraftTokensHandler (worker/draft_tokens.py) --------------------------------------------
