@@ -323,29 +323,11 @@ class WorkerLoop:
             out, rejected = self.runner.execute(sched, self.wait_bitmask)
         except StepError as e:
             log.warning("step %d refused: %s", sched.step_id, e)
-            self.reply(
-                identity,
-                WorkerError(
-                    code=e.code,
-                    message=str(e),
-                    step_id=sched.step_id,
-                    req_id=e.req_id,
-                    field=e.field,
-                ),
-            )
+            self.reply(identity, refusal(e, sched.step_id))
             return
         self.last_step_id = sched.step_id
         for err in rejected:
-            self.reply(
-                identity,
-                WorkerError(
-                    code=err.code,
-                    message=str(err),
-                    step_id=sched.step_id,
-                    req_id=err.req_id,
-                    field=err.field,
-                ),
-            )
+            self.reply(identity, refusal(err, sched.step_id))
         self.reply(identity, out)
         self.metrics.record_step(
             out,
@@ -421,6 +403,14 @@ class WorkerLoop:
             # A health check that gave up, or a scheduler that went away: nothing to repair here.
             level = logging.INFO if e.code == "closed" else logging.WARNING
             log.log(level, "could not answer %r: %s", identity, e)
+
+
+def refusal(err: StepError, step_id: int) -> WorkerError:
+    """The answer to a refused step, or to one request refused within a step: step, request and
+    field named."""
+    return WorkerError(
+        code=err.code, message=str(err), step_id=step_id, req_id=err.req_id, field=err.field
+    )
 
 
 def start_tp_group(
