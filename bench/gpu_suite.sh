@@ -13,8 +13,8 @@
 # and checks the embedded SmolLM2 GGUF once both are there, runs the GPU tests and the benchmarks
 # named in STAGES (the model's stages only once it is whole), writes full logs under $OUT and
 # prints a short table last.
-#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile serve prep
-#           hostile (default: all but eagle, profile, serve, prep and hostile; prep and hostile
+#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile mixed serve
+#           prep hostile (default: all but eagle, profile, mixed, serve, prep and hostile; prep and hostile
 #           run CPU daemons on the tiny random model: this host's idle cores, not the GPU)
 #   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), SYN_BATCHES ("1 64"), MODES ("pad"),
 #   OVERLAP_BATCHES ("1 8 64"), SYN_TOKENS (64), EAGLE_MINUTES (8),
@@ -22,7 +22,8 @@
 #   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py),
 #   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
 #   --load-format dummy), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
-#   SERVE_ARGS (more flags for serve_bench.py), HOSTILE_COUNT (10000). The serve stage needs only the .whl wheels.
+#   SERVE_ARGS (more flags for serve_bench.py), HOSTILE_COUNT (10000), MIXED_MODELS ("smollm2 1b"),
+#   MIXED_BATCHES ("1 8 64"); SPECD_ATTENTION_BACKEND (auto) reaches every worker it starts. The serve stage needs only the .whl wheels.
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
@@ -104,6 +105,20 @@ if has eagle && [ -f "$MODEL" ]; then
   echo "== (#7) EAGLE head for SmolLM2: distil on this GPU, then acceptance vs n-gram"
   python3 bench/train_eagle.py --model "$MODEL" --device cuda --out "$OUT/smollm2-eagle" \
     --minutes ${EAGLE_MINUTES:-8} > "$OUT/eagle.log" 2>&1; tail -2 "$OUT/eagle.log"
+fi
+if has mixed; then
+  for m in ${MIXED_MODELS:-smollm2 1b}; do
+    if [ "$m" = smollm2 ]; then
+      [ -f "$MODEL" ] || continue
+      src=(--model "$MODEL")
+    else
+      src=(--model bench/configs/llama-$m --load-format dummy)
+    fi
+    echo "== (#14) a mixed step against a decode step, per attention backend: $m"
+    python3 bench/mixed_step.py "${src[@]}" --device cuda --dtype bfloat16 --batches ${MIXED_BATCHES:-1 8 64} \
+      --json-out "$OUT/mixed_$m.json" > "$OUT/mixed_$m.log" 2>&1
+    grep "^|" "$OUT/mixed_$m.log" || tail -5 "$OUT/mixed_$m.log"
+  done
 fi
 if has serve; then
   for m in ${SERVE_MODELS:-smollm2 1b 8b}; do

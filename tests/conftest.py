@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import tempfile
 from collections.abc import Iterator
+from importlib.util import find_spec
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if has_cuda:
         return
     skip_gpu = pytest.mark.skipif(True, reason="needs CUDA")
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and find_spec("triton") is not None
     for item in items:
-        if "gpu" in item.keywords:
+        if "gpu" in item.keywords and not ("triton" in item.keywords and interpreted):
             item.add_marker(skip_gpu)

@@ -51,6 +51,9 @@ def test_cuda_fp32_ngram_greedy_equals_target_greedy(
     decode = runner.target.decode
     assert decode.num_forwards > 0
     assert (decode.num_captured > 0) == graphs, "decode steps must replay captured graphs"
+    ragged = runner.target.ragged  # the paged kernel's: prefill and mixed steps
+    assert ragged is not None and ragged.num_forwards > 0
+    assert (ragged.num_captured > 0) == graphs, "mixed steps must replay captured graphs"
 
 
 def test_capturing_every_shape_keeps_the_kv_cache_out_of_autograd() -> None:
@@ -62,4 +65,5 @@ def test_capturing_every_shape_keeps_the_kv_cache_out_of_autograd() -> None:
     target.requires_grad_(True)
     ex = ModelExecutor(target, max_num_seqs=4, max_model_len=128, decode_width=3)
     assert ex.decode.capture_all(100) > 0
+    assert ex.ragged is not None and ex.ragged.capture_all() > 0
     assert all(t.grad_fn is None and not t.requires_grad for t in ex.kv_cache.keys)

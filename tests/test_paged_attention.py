@@ -2,7 +2,9 @@
 random layouts: prefill chunks, decodes with drafts and mixed steps, histories that start and end
 on and off block boundaries, blocks scattered over the cache; the padded decode layout's builder
 against the any-layout builder; and batch invariance (a request's output bit for bit the same
-alone and among others)."""
+alone and among others). Each runs with the padded SDPA (any machine) and with the Triton kernel
+(``worker/paged_kernel.py``: on CUDA, or on CPU under ``TRITON_INTERPRET=1`` with triton
+installed)."""
 
 from __future__ import annotations
 
@@ -15,15 +17,23 @@ import torch.nn.functional as F
 from worker.attention import build_dense_metadata, build_metadata, specd_attention
 from worker.kv_cache import KVCache
 
-HEADS, KV_HEADS, D = 4, 2, 8
+HEADS, KV_HEADS, D = 4, 2, 16
 MAX_LEN = 96
+
+# the Triton kernel's runs: marked gpu (the GPU suite runs them) and triton (conftest.py lets them
+# run on CPU under TRITON_INTERPRET=1)
+KERNELS = [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.triton], id="triton")]
+
+
+def device_for(kernel: bool) -> torch.device:
+    return torch.device("cuda" if kernel and torch.cuda.is_available() else "cpu")
 
 
 class Layer(torch.nn.Module):
     layer_idx = 0
 
 
-def cache(block_size: int, num_seqs: int = 6) -> KVCache:
+def cache(block_size: int, num_seqs: int = 6, kernel: bool = False) -> KVCache:
     return KVCache(
         num_layers=1,
         num_kv_heads=KV_HEADS,
@@ -31,7 +41,7 @@ def cache(block_size: int, num_seqs: int = 6) -> KVCache:
         max_num_seqs=num_seqs,
         max_model_len=MAX_LEN,
         dtype=torch.float32,
-        device=torch.device("cpu"),
+        device=device_for(kernel),
         block_size=block_size,
     )
 
@@ -64,30 +74,35 @@ def run_step(
     *,
     num_padding: int = 0,
     query_pad: int = 0,
+    kernel: bool = False,
 ) -> torch.Tensor:
     """q [T, heads, D], k, v [T, kv_heads, D] (T includes the padding) -> [T, heads, D]."""
     kv.allocate(slots, [s + n for s, n in zip(starts, counts, strict=True)])
+    dev = kv.keys[0].device
     meta = build_metadata(
-        kv, slots, starts, counts, torch.device("cpu"), num_padding=num_padding, query_pad=query_pad
+        kv, slots, starts, counts, dev, num_padding=num_padding, query_pad=query_pad, kernel=kernel
     )
     out, _ = specd_attention(
         Layer(),
-        q.transpose(0, 1)[None],
-        k.transpose(0, 1)[None],
-        v.transpose(0, 1)[None],
+        q.transpose(0, 1)[None].to(dev),
+        k.transpose(0, 1)[None].to(dev),
+        v.transpose(0, 1)[None].to(dev),
         None,
         specd_meta=meta,
     )
-    return out[0]
+    return out[0].cpu()
 
 
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_batched_paged_attention_matches_a_per_request_reference(block_size: int) -> None:
+def test_batched_paged_attention_matches_a_per_request_reference(
+    block_size: int, kernel: bool
+) -> None:
     seed = random.randrange(2**32)
     print(f"seed {seed}")
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    kv = cache(block_size)
+    kv = cache(block_size, kernel=kernel)
     num = 5
     history = {s: (torch.zeros(0, KV_HEADS, D), torch.zeros(0, KV_HEADS, D)) for s in range(num)}
     for _step in range(6):
@@ -110,7 +125,7 @@ def test_batched_paged_attention_matches_a_per_request_reference(block_size: int
         q = torch.randn(total, HEADS, D)
         k = torch.randn(total, KV_HEADS, D)
         v = torch.randn(total, KV_HEADS, D)
-        out = run_step(kv, slots, starts, counts, q, k, v, num_padding=pad)
+        out = run_step(kv, slots, starts, counts, q, k, v, num_padding=pad, kernel=kernel)
         off = 0
         for s, start, n in zip(slots, starts, counts, strict=True):
             hk = torch.cat([history[s][0], k[off : off + n]])
@@ -131,20 +146,23 @@ def test_batched_paged_attention_matches_a_per_request_reference(block_size: int
     assert held + kv.blocks.num_free == kv.num_blocks
 
 
-def test_a_requests_output_does_not_depend_on_its_batch() -> None:
-    """With query padding (``--batch-invariant pad``) a request's rows are bit for bit the same
-    alone, beside a long prefill chunk, and beside decodes with drafts."""
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_requests_output_does_not_depend_on_its_batch(kernel: bool) -> None:
+    """With query padding (``--batch-invariant pad``), or with the Triton kernel's fixed tiles, a
+    request's rows are bit for bit the same alone, beside a long prefill chunk, and beside
+    decodes with drafts."""
     seed = random.randrange(2**32)
     print(f"seed {seed}")
     torch.manual_seed(seed)
     outs = []
     for neighbours in ([], [(30, 40)], [(10, 1), (50, 5)]):
-        kv = cache(16)
-        hist = torch.randn(37, KV_HEADS, D, generator=torch.Generator().manual_seed(1))
+        kv = cache(16, kernel=kernel)
+        dev = kv.keys[0].device
+        hist = torch.randn(37, KV_HEADS, D, generator=torch.Generator().manual_seed(1)).to(dev)
         # the request of interest, slot 2: 37 tokens of history, then 4 tokens (1 + 3 drafts)
         kv.allocate([2], [37])
         rows = kv.blocks.cache_rows(torch.full((37,), 2).numpy(), torch.arange(37).numpy())
-        kv.write(0, torch.from_numpy(rows), hist, hist)
+        kv.write(0, torch.from_numpy(rows).to(dev), hist, hist)
         slots, starts, counts = [2], [37], [4]
         for j, (start, n) in enumerate(neighbours):
             slots.append(3 + j)
@@ -157,11 +175,14 @@ def test_a_requests_output_does_not_depend_on_its_batch() -> None:
         rest = sum(counts[1:])
         q = torch.cat([q0, torch.randn(rest, HEADS, D)])
         k = torch.cat([k0, torch.randn(rest, KV_HEADS, D)])
-        outs.append(run_step(kv, slots, starts, counts, q, k, k.clone(), query_pad=16)[:4])
+        outs.append(
+            run_step(kv, slots, starts, counts, q, k, k.clone(), query_pad=16, kernel=kernel)[:4]
+        )
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-def test_the_padded_decode_layout_matches_the_any_layout_builder() -> None:
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_padded_decode_layout_matches_the_any_layout_builder(kernel: bool) -> None:
     """``build_dense_metadata`` (device tensors, CUDA-graph safe) and ``build_metadata`` give the
     same outputs for a decode step of 3 requests of width 3, padded to a batch bucket of 4."""
     seed = random.randrange(2**32)
@@ -169,18 +190,20 @@ def test_the_padded_decode_layout_matches_the_any_layout_builder() -> None:
     torch.manual_seed(seed)
     outs = []
     for dense in (False, True):
-        kv = cache(4)
+        kv = cache(4, kernel=kernel)
+        dev = kv.keys[0].device
         torch.manual_seed(seed)
         slots, starts, w = [0, 3, 5], [9, 16, 2], 3
         for s, st in zip(slots, starts, strict=True):
             kv.allocate([s], [st])
-            h = torch.randn(st, KV_HEADS, D)
+            h = torch.randn(st, KV_HEADS, D).to(dev)
             rows = kv.blocks.cache_rows(torch.full((st,), s).numpy(), torch.arange(st).numpy())
-            kv.write(0, torch.from_numpy(rows), h, h)
+            kv.write(0, torch.from_numpy(rows).to(dev), h, h)
         q = torch.randn(4 * w, HEADS, D)
         k = torch.randn(4 * w, KV_HEADS, D)
         if not dense:
-            outs.append(run_step(kv, slots, starts, [w] * 3, q[: 3 * w], k[: 3 * w], k[: 3 * w]))
+            args = (q[: 3 * w], k[: 3 * w], k[: 3 * w])
+            outs.append(run_step(kv, slots, starts, [w] * 3, *args, kernel=kernel))
             continue
         kv.allocate(slots, [s + w for s in starts])
         pos = torch.tensor([s + j for s in [*starts, 0] for j in range(w)])
@@ -188,22 +211,23 @@ def test_the_padded_decode_layout_matches_the_any_layout_builder() -> None:
         rows = torch.from_numpy(kv.blocks.cache_rows(slot_np, pos.numpy()))
         meta = build_dense_metadata(
             kv,
-            pos,
-            rows,
-            torch.tensor([*slots, kv.scratch_slot]),
+            pos.to(dev),
+            rows.to(dev),
+            torch.tensor([*slots, kv.scratch_slot]).to(dev),
             num_reqs=4,
             width=w,
             max_len=32,
             query_rows=0,
             fp32=False,
+            kernel=kernel,
         )
         out, _ = specd_attention(
             Layer(),
-            q.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
-            k.transpose(0, 1)[None],
+            q.transpose(0, 1)[None].to(dev),
+            k.transpose(0, 1)[None].to(dev),
+            k.transpose(0, 1)[None].to(dev),
             None,
             specd_meta=meta,
         )
-        outs.append(out[0, : 3 * w])
+        outs.append(out[0, : 3 * w].cpu())
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)

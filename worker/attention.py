@@ -11,9 +11,11 @@ off (``_no_mask``): the batch is one flat sequence, and its mask would be wrong 
 
 Two builders make the same ``PagedMetadata``: ``build_metadata`` from host lists (any layout), and
 ``build_dense_metadata`` from device tensors only (the padded decode layout of ``decode_graphs.py``,
-replayed by CUDA graphs). The padded SDPA is the portable (CPU) kernel; a GPU kernel that reads the
-block table directly (FlexAttention with a block mask, or a Triton paged kernel) can replace
-``_attend`` behind the same metadata. torch 2.13's CPU build has both ``flex_attention`` and
+replayed by CUDA graphs). Two kernels run behind it. On CUDA with triton, ``paged_kernel.py``
+reads the block table itself: one launch per layer for any mix of prefill chunks, decodes and
+drafts, no gather, no mask, no query padding (``kernel=True``; ``SPECD_ATTENTION_BACKEND=sdpa``
+turns it off). The padded SDPA below is the portable kernel (CPU, and float32 attention in
+``pad-fp32``). torch 2.13's CPU build has both ``flex_attention`` and
 ``torch.nn.attention.varlen``; they are not used here: FlexAttention is only fast compiled (an
 inductor C++ build per shape, minutes on the test machines) and eager it materialises the scores,
 and varlen attention does not read a block table (the keys would still be gathered, packed).
@@ -34,6 +36,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from worker.kv_cache import KVCache
+from worker.paged_kernel import paged_attention
 
 ATTN_IMPLEMENTATION = "specd"
 
@@ -45,10 +48,17 @@ class PagedMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor  # [T] flat cache row of each token (padding: the scratch block)
     block_table: torch.Tensor  # [B, nb] physical blocks of each request's positions 0 .. L - 1
-    query_index: torch.Tensor  # [B, Q] flat token of query row j of request b (padding: 0)
-    out_index: torch.Tensor  # [T] row of the [B * Q + 1] outputs of each token; B * Q is zeros
-    mask: torch.Tensor  # [B, 1, Q, L] bool: query row j of request b sees key l
+    query_index: torch.Tensor | None  # [B, Q] flat token of query row j of request b (padding: 0)
+    out_index: (
+        torch.Tensor | None
+    )  # [T] row of the [B * Q + 1] outputs of each token; B * Q is zeros
+    mask: torch.Tensor | None  # [B, 1, Q, L] bool: query row j of request b sees key l
     fp32: bool = False  # attention math in float32
+    # the Triton kernel's (paged_kernel.py; query_index, out_index and mask are then None)
+    kernel: bool = False
+    query_start: torch.Tensor | None = None  # [B + 1] first flat token of each request
+    positions: torch.Tensor | None = None  # [T] position of each flat token
+    unowned_rows: bool = False  # some flat tokens belong to no request (their outputs: zeros)
 
 
 def _mask(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
@@ -67,11 +77,13 @@ def build_metadata(
     num_padding: int = 0,
     query_pad: int = 0,
     fp32: bool = False,
+    kernel: bool = False,
 ) -> PagedMetadata:
     """Any layout: request b runs ``num_tokens[b]`` tokens from ``start_positions[b]``, flat and
     request-major, then ``num_padding`` padding tokens (their keys go to the scratch block and no
     request attends to them). Its slots must hold blocks up to their ends (``allocate``).
-    ``query_pad`` > 0: queries are padded to a multiple of it (one shape for any draft width)."""
+    ``query_pad`` > 0: queries are padded to a multiple of it (one shape for any draft width).
+    ``kernel``: metadata for the Triton kernel (no query padding, no mask)."""
     b = len(slots)
     starts = np.asarray(start_positions, np.int64)
     counts = np.asarray(num_tokens, np.int64)
@@ -101,6 +113,26 @@ def build_metadata(
     query_index = np.where(real, cu[:-1, None] + j[None, :], 0)
     q_pos = np.where(real, starts[:, None] + j[None, :], 0)
     block_table = kv_cache.blocks.table_np[slots_np, :nb]
+    if kernel:
+        flat = torch.from_numpy(
+            np.concatenate(
+                [slot_mapping, cu, positions, np.zeros(num_padding, np.int64), block_table.ravel()]
+            )
+        ).to(device, non_blocking=True)
+        t = total + num_padding
+        parts = torch.split(flat, [t, b + 1, t, b * nb])
+        return PagedMetadata(
+            kv_cache=kv_cache,
+            slot_mapping=parts[0],
+            block_table=parts[3].view(b, nb),
+            query_index=None,
+            out_index=None,
+            mask=None,
+            kernel=True,
+            query_start=parts[1],
+            positions=parts[2],
+            unowned_rows=num_padding > 0,
+        )
     # one host-to-device copy for the five index arrays
     flat = torch.from_numpy(
         np.concatenate(
@@ -131,12 +163,27 @@ def build_dense_metadata(
     max_len: int,
     query_rows: int,
     fp32: bool,
+    kernel: bool = False,
 ) -> PagedMetadata:
     """The padded decode layout (``decode_graphs.py``): ``num_reqs`` requests of ``width`` tokens
     each, request-major, then padding tokens; request r reads the keys of its first ``max_len``
     positions through row ``slot_idx[r]`` of the device block table. Built from device tensors
     only. Query (r, j) at position p sees keys 0..p; padded query rows see key 0."""
     device = positions.device
+    if kernel:
+        nb = kv_cache.blocks.blocks_for(max_len)
+        return PagedMetadata(
+            kv_cache=kv_cache,
+            slot_mapping=slot_mapping,
+            block_table=kv_cache.blocks.table[slot_idx, :nb],
+            query_index=None,
+            out_index=None,
+            mask=None,
+            kernel=True,
+            query_start=torch.arange(num_reqs + 1, device=device) * width,
+            positions=positions,
+            unowned_rows=positions.shape[0] > num_reqs * width,
+        )
     rows = max(query_rows, width)
     pos = positions[: num_reqs * width].view(num_reqs, width)
     if rows > width:
@@ -165,6 +212,25 @@ def _attend(
 ) -> torch.Tensor:
     """query [1, heads, T, D] -> [1, T, heads, D]; padding tokens come out zero."""
     heads, d = query.shape[1], query.shape[3]
+    if meta.kernel:
+        q = query[0].transpose(0, 1)  # [T, heads, D], a view
+        alloc = torch.zeros if meta.unowned_rows else torch.empty
+        out = alloc(q.shape, dtype=query.dtype, device=query.device)
+        assert meta.query_start is not None and meta.positions is not None
+        cache = meta.kv_cache
+        paged_attention(
+            q,
+            cache.keys[layer],
+            cache.values[layer],
+            meta.block_table,
+            meta.query_start,
+            meta.positions,
+            cache.block_size,
+            scaling,
+            out,
+        )
+        return out[None]
+    assert meta.query_index is not None and meta.out_index is not None
     b, q_rows = meta.query_index.shape
     q = query[0][:, meta.query_index].transpose(0, 1)  # [B, heads, Q, D]
     k, v = meta.kv_cache.gather(layer, meta.block_table)  # [B, kv_heads, L, D]

@@ -12,6 +12,8 @@ from worker.attention import ATTN_IMPLEMENTATION, build_dense_metadata, build_me
 from worker.compiled import CompiledLayers
 from worker.decode_graphs import DecodeGraphs
 from worker.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
+from worker.paged_kernel import use_kernel
+from worker.ragged_graphs import RaggedGraphs
 
 BATCH_INVARIANT_MODES = ("off", "pad", "pad-fp32")
 TOKEN_BUCKET = 64
@@ -54,6 +56,7 @@ class ModelExecutor:
         compile_layers: bool = False,
         num_kv_blocks: int | None = None,
         kv_block_size: int = DEFAULT_BLOCK_SIZE,
+        max_num_tokens: int = 2048,
     ) -> None:
         """``batch_invariant``: "off"; "pad" rounds every forward up to a multiple of
         ``TOKEN_BUCKET`` tokens and pads each request's queries to ``QUERY_PAD`` rows, so a token's
@@ -68,7 +71,10 @@ class ModelExecutor:
         (compiled.py).
 
         ``num_kv_blocks`` blocks of ``kv_block_size`` tokens make the paged KV cache (None: the
-        memory of ``max_num_seqs`` full-length slots, kv_cache.py)."""
+        memory of ``max_num_seqs`` full-length slots, kv_cache.py).
+
+        With the paged kernel, other steps of up to ``max_num_tokens`` tokens (prefill chunks,
+        mixed steps) replay ``RaggedGraphs`` (CUDA graphs per token bucket; eager elsewhere)."""
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}")
         self.batch_invariant = batch_invariant
@@ -96,6 +102,8 @@ class ModelExecutor:
             block_size=kv_block_size,
             num_blocks=num_kv_blocks,
         )
+        # attention straight from the paged cache (paged_kernel.py) where it can run
+        self.kernel = use_kernel(self.device, head_dim, fp32=batch_invariant == "pad-fp32")
         self.backbone = model.get_decoder()
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.lm_head = model.get_output_embeddings()
@@ -107,6 +115,18 @@ class ModelExecutor:
             device=self.device,
             use_graphs=cuda_graphs,
             token_bucket=TOKEN_BUCKET if invariant else 1,
+        )
+        self.ragged = (
+            RaggedGraphs(
+                self._backbone,
+                self.kv_cache,
+                max_tokens=max_num_tokens,
+                device=self.device,
+                smallest=TOKEN_BUCKET,
+                use_graphs=cuda_graphs,
+            )
+            if self.kernel
+            else None
         )
 
     def _dense_forward(
@@ -132,6 +152,7 @@ class ModelExecutor:
             max_len=max_len,
             query_rows=QUERY_PAD if invariant else 0,
             fp32=self.batch_invariant == "pad-fp32",
+            kernel=self.kernel,
         )
         with self.compiled.active() if self.compiled is not None else nullcontext():
             hidden = self._backbone(input_ids, positions, meta)  # [T, hidden]
@@ -162,6 +183,10 @@ class ModelExecutor:
             return self.decode.forward(
                 input_ids, slots, start_positions, num_tokens, logits_indices
             )
+        if self.ragged is not None and self.ragged.fits(len(input_ids), len(slots)):
+            hidden = self.ragged.forward(input_ids, slots, start_positions, num_tokens)
+            logits = self.lm_head(hidden[logits_indices]).float()
+            return logits[:, : self.vocab_size], hidden
         pad = 0
         if self.batch_invariant != "off":
             total = len(input_ids)
@@ -178,6 +203,7 @@ class ModelExecutor:
             num_padding=pad,
             query_pad=QUERY_PAD if self.batch_invariant != "off" else 0,
             fp32=self.batch_invariant == "pad-fp32",
+            kernel=self.kernel,
         )
         hidden = self._backbone(input_ids, positions, meta)  # [num_tokens_total, hidden]
         logits = self.lm_head(hidden[logits_indices]).float()  # [num_logits, vocab]

@@ -94,6 +94,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             compile_layers=cfg.enable_torch_compile,
             num_kv_blocks=num_kv_blocks,
             kv_block_size=bs,
+            max_num_tokens=cfg.max_num_batched_tokens,
         )
 
     drafter: Drafter = NoDrafter()
@@ -129,10 +130,12 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     executor = executor_for(target.model, target_blocks)
     if executor.decode.use_graphs:
         t1 = time.monotonic()
-        n = executor.decode.capture_all()
+        executors = [executor]
         if isinstance(drafter, DraftModelDrafter | ParallelDrafter):
-            n += drafter.executor.decode.capture_all()
-        log.info("captured %d decode graphs in %.1f s", n, time.monotonic() - t1)
+            executors.append(drafter.executor)
+        n = sum(e.decode.capture_all() for e in executors)
+        r = sum(e.ragged.capture_all() for e in executors if e.ragged is not None)
+        log.info("captured %d decode and %d ragged graphs in %.1f s", n, r, time.monotonic() - t1)
     runner = ModelRunner(
         executor,
         drafter,

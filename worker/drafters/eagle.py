@@ -18,6 +18,7 @@ from worker.attention import ATTN_IMPLEMENTATION, build_metadata
 from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.eagle_head import EagleHead
 from worker.kv_cache import KVCache
+from worker.paged_kernel import use_kernel
 from worker.requests import RequestStates
 
 
@@ -53,6 +54,7 @@ class EagleDrafter(Drafter):
             dtype=param.dtype,
             device=self.device,
         )
+        self.kernel = use_kernel(self.device, head_dim)  # the target's attention kernel
         # [slot, position, H] the target's hidden states of committed positions
         self.features = torch.zeros(
             (max_num_seqs, max_model_len, cfg.hidden_size), dtype=param.dtype, device=self.device
@@ -115,7 +117,7 @@ class EagleDrafter(Drafter):
             np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
         ).to(self.device)
         self.kv_cache.allocate(slots, [s + c for s, c in zip(starts, counts, strict=True)])
-        meta = build_metadata(self.kv_cache, slots, starts, counts, self.device)
+        meta = build_metadata(self.kv_cache, slots, starts, counts, self.device, kernel=self.kernel)
         out = self.head(
             embeds[None],
             feats[None],
