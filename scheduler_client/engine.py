@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from protocol.messages import SamplingParams, SchedulerOutput
+from protocol.messages import ModelRunnerOutput, SamplingParams, SchedulerOutput
 from protocol.transport import TransportConfig
 from scheduler_client.grammar import Matcher, StructuredSpec, make_backend, parse_spec
 from scheduler_client.metrics import RequestMetrics
@@ -318,7 +318,11 @@ class Engine:
         now = time.perf_counter()
         # the worker's time for this step: from its send, or from the last output when the
         # step was already queued behind that one (overlap)
-        self._observe(cur, now - max(self._last_output_s, self._sent_s.pop(cur.step_id, now)))
+        self._observe(
+            cur,
+            result.output,
+            now - max(self._last_output_s, self._sent_s.pop(cur.step_id, now)),
+        )
         self._last_output_s = now
         failed = []
         for err in result.request_errors:
@@ -396,14 +400,20 @@ class Engine:
                 self.client.send_step(self.scheduler.deferred_bitmask(self.in_flight[0]))
                 self.num_deferred_bitmasks += 1
 
-    def _observe(self, sched: SchedulerOutput, seconds: float) -> None:
-        """Feed the speculation tuner the cost of a decode-only step (no prefill chunk)."""
+    def _observe(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+        """Feed the speculation tuner the cost of a decode-only step (no prefill chunk), at the
+        width the worker ran: with overlap the step's widths are caps, and a request runs only
+        the drafts the worker proposed (none after a proposal of zero). Counting the caps filed
+        every overlap step under the widest width, so the no-draft end was never measured and
+        the tuner kept proposing zero drafts to measure it: overlap never speculated."""
         tuner = self.scheduler.tuner
         counts = sched.num_scheduled_tokens
         if tuner is None or not len(counts) or sched.new_requests:
             return
         if (counts - sched.num_draft_tokens == 1).all():
-            tuner.observe_step(len(counts), int(counts.max()), seconds, sched.max_draft_proposals)
+            ran = out.num_draft_tokens
+            width = 1 + (int(ran.max()) if len(ran) else 0)
+            tuner.observe_step(len(counts), width, seconds, sched.max_draft_proposals)
 
     def _recover(self, cause: WorkerDied) -> None:
         """A new worker (relaunched, or the next one to appear at worker_addr), a new handshake,

@@ -56,6 +56,29 @@ def test_overlap_greedy_equals_target_greedy(pair: tuple[Engine, Engine], batch:
     assert not over.scheduler.steps and not over.in_flight
 
 
+def test_overlap_with_the_tuner_verifies_drafts(pair: tuple[Engine, Engine]) -> None:
+    """With overlap a step's widths are caps and a request runs only the drafts the worker
+    proposed. The tuner used to file each step under its caps, so it never measured the no-draft
+    width, kept proposing zero drafts to measure it, and overlap never speculated (served n-gram
+    at c=1 on the H200 verified no draft). Repetitive prompts, one at a time, the tuner on."""
+    _, over = pair
+    assert over.scheduler.tuner is not None
+    drafted = 0
+    for i, p in enumerate([prompts(8)[0], prompts(8)[4], prompts(8)[7]] * 2):
+        (r,) = over.generate([{"prompt": p, "max_tokens": 40, "ignore_eos": True}])
+        assert r.error is None, r.error
+        # the first requests draft while the tuner measures; count those after it
+        drafted += r.metrics.num_draft_tokens if i >= 3 else 0
+    if over.config.drafter == "none":
+        assert drafted == 0
+        return
+    # both ends measured at batch 1: the tuner chooses, it is not stuck measuring
+    known = over.scheduler.tuner._buckets[1].seconds
+    assert 1 in known and 1 + over.config.num_speculative_tokens in known, known
+    if over.config.drafter == "ngram":  # drafting costs nothing: it pays on these prompts
+        assert drafted > 0, "overlap with the tuner verified no drafts"
+
+
 def test_overlap_structured_greedy_equals_sync_and_validates(pair: tuple[Engine, Engine]) -> None:
     sync, over = pair
     work = [
