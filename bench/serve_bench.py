@@ -102,7 +102,9 @@ def served(
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
         sched_cmd += ["--async-scheduling"] if mode == "overlap" else []
-        sched = subprocess.Popen(sched_cmd, stderr=open(sched_log, "ab"))  # noqa: SIM115
+        # a new file: wait_ready reads the first "ready" line in it (an old run's would name
+        # another port when --log-dir is reused)
+        sched = subprocess.Popen(sched_cmd, stderr=open(sched_log, "wb"))  # noqa: SIM115
         try:
             port = wait_ready(sched, sched_log, 900.0)
             wait_health(port, sched)
@@ -112,8 +114,15 @@ def served(
             phases += [(f"rate={a.rate}", None)] if a.rate else []
             for name, c in phases:
                 before = scrape(port)
+                # --requests-per-client: c clients send K requests each (at least 16 in all), so
+                # a concurrency keeps arrivals coming without the low ones running for minutes
+                some = (
+                    bodies[: max(16, a.requests_per_client * c)]
+                    if a.requests_per_client
+                    else bodies
+                )
                 results, wall = (
-                    closed_loop(port, bodies, c) if c else poisson(port, bodies, a.rate, a.seed)
+                    closed_loop(port, some, c) if c else poisson(port, bodies, a.rate, a.seed)
                 )
                 row = {"path": "served", "drafter": drafter, "mode": mode, "load": name}
                 rows.append({**row, **summarize(results, wall, before, scrape(port))})
@@ -246,6 +255,12 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=8.0, help="Poisson requests/s (0: no such row)")
     ap.add_argument("--num-requests", type=int, default=128, help="requests per load row")
     ap.add_argument("--max-tokens", type=int, default=128, help="for the unconstrained chats")
+    ap.add_argument(
+        "--requests-per-client",
+        type=int,
+        default=0,
+        help="closed loop at concurrency c: the first max(16, K * c) requests (0: all)",
+    )
     ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "eagle"])
     ap.add_argument("--modes", nargs="+", default=["sync", "overlap"], choices=("sync", "overlap"))
     ap.add_argument("--eagle-head", default="embedded", help="with the eagle drafter")
