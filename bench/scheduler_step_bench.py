@@ -34,12 +34,13 @@ for i in range(B):
     s.add(
         Request(
             f"r{i}",
-            list(rng.integers(100, 40000, 100)),
-            SamplingParams(max_tokens=10000),
+            rng.integers(100, 40000, 100).tolist(),  # Python ints: the scheduler checks types
+            SamplingParams(max_tokens=1900),
             4,
             detok=None,
         )
     )
+    assert s.requests[f"r{i}"].error is None, s.requests[f"r{i}"].error
 
 
 def step():

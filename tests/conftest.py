@@ -12,6 +12,21 @@ import pytest
 
 from tests.leftovers import Snapshot
 
+
+def _interpret_triton_on_cpu() -> None:
+    """Without CUDA, triton kernels run in triton's interpreter, which must be chosen before
+    triton is first imported: the paged kernel's tests (marked triton) then run on CPU. Workers
+    that tests launch inherit it and still attend with SDPA on CPU (paged_kernel.use_kernel)."""
+    if find_spec("triton") is None or "TRITON_INTERPRET" in os.environ:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+
+
+_interpret_triton_on_cpu()
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -69,7 +84,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if has_cuda:
         return
     skip_gpu = pytest.mark.skipif(True, reason="needs CUDA")
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1" and find_spec("triton") is not None
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"  # _interpret_triton_on_cpu
     for item in items:
         if "gpu" in item.keywords and not ("triton" in item.keywords and interpreted):
             item.add_marker(skip_gpu)

@@ -3,8 +3,8 @@ random layouts: prefill chunks, decodes with drafts and mixed steps, histories t
 on and off block boundaries, blocks scattered over the cache; the padded decode layout's builder
 against the any-layout builder; and batch invariance (a request's output bit for bit the same
 alone and among others). Each runs with the padded SDPA (any machine) and with the Triton kernel
-(``worker/paged_kernel.py``: on CUDA, or on CPU under ``TRITON_INTERPRET=1`` with triton
-installed)."""
+(``worker/paged_kernel.py``: on CUDA, or on CPU in triton's interpreter where triton is
+installed, as ``make setup`` does; conftest.py chooses the interpreter)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ HEADS, KV_HEADS, D = 4, 2, 16
 MAX_LEN = 96
 
 # the Triton kernel's runs: marked gpu (the GPU suite runs them) and triton (conftest.py lets them
-# run on CPU under TRITON_INTERPRET=1)
+# run on CPU, interpreted, where triton is installed)
 KERNELS = [False, pytest.param(True, marks=[pytest.mark.gpu, pytest.mark.triton], id="triton")]
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +15,22 @@ from protocol.transport import TransportConfig, check_security, validate_address
 EMBEDDED_MODEL = "embedded:smollm2"
 LOAD_FORMATS = ("auto", "dummy")
 DRAFTERS = ("none", "ngram", "draft_model", "parallel", "eagle")
+
+
+ATTENTION_BACKENDS = ("auto", "triton", "sdpa")
+
+
+def attention_backend() -> str:
+    """``SPECD_ATTENTION_BACKEND`` (vLLM's ``VLLM_ATTENTION_BACKEND``): ``auto`` when unset; any
+    other value than ``ATTENTION_BACKENDS`` is a ValueError naming them (read at start-up, before
+    torch is imported, so a typo exits 2 at once)."""
+    backend = os.environ.get("SPECD_ATTENTION_BACKEND", "auto")
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"SPECD_ATTENTION_BACKEND must be one of {', '.join(ATTENTION_BACKENDS)}, "
+            f"not {backend!r}"
+        )
+    return backend
 
 
 def check_model_spec(spec: str) -> None:
@@ -285,6 +302,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "freed (the scheduler is taken for dead)",
     )
     a = parse_with_config(ap, argv)
+    attention_backend()  # its value is checked here; worker/paged_kernel.py acts on it
     return WorkerConfig(
         model=a.model,
         load_format=a.load_format,

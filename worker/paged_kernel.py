@@ -24,9 +24,10 @@ padding) keep what the caller put in ``out``.
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+
+from worker.config import attention_backend
 
 try:
     import triton
@@ -39,33 +40,28 @@ BLOCK_M = 16
 BLOCK_N = 64
 
 
-BACKENDS = ("auto", "triton", "sdpa")
-
-
-def available(device: torch.device, head_dim: int) -> bool:
-    """The kernel runs on CUDA with triton installed and a power-of-two head dim >= 16
-    (``TRITON_INTERPRET=1`` runs it on CPU tensors, for tests)."""
-    if triton is None or head_dim < 16 or head_dim & (head_dim - 1):
-        return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+def available(head_dim: int) -> bool:
+    """triton is installed and the head dim is a power of two >= 16 (the kernel's tiles)."""
+    return triton is not None and head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def use_kernel(device: torch.device, head_dim: int, fp32: bool = False) -> bool:
     """Whether attention on ``device`` runs this kernel: ``SPECD_ATTENTION_BACKEND`` (vLLM's
-    ``VLLM_ATTENTION_BACKEND``) is ``auto`` (the default: where ``available``, unless attention
-    must run in float32), ``triton`` (required: an error where it cannot run) or ``sdpa``."""
-    backend = os.environ.get("SPECD_ATTENTION_BACKEND", "auto")
-    if backend not in BACKENDS:
-        raise ValueError(f"SPECD_ATTENTION_BACKEND must be one of {BACKENDS}, not {backend!r}")
+    ``VLLM_ATTENTION_BACKEND``) is ``auto`` (the default: on CUDA where ``available``, unless
+    attention must run in float32), ``triton`` (required: an error where it cannot run; CPU
+    tensors need ``TRITON_INTERPRET=1`` set before triton is imported, for tests) or ``sdpa``."""
+    backend = attention_backend()
     if backend == "sdpa":
         return False
-    ok = available(device, head_dim) and not fp32
+    ok = available(head_dim) and not fp32
     if backend == "triton" and not ok:
         raise ValueError(
-            "SPECD_ATTENTION_BACKEND=triton needs CUDA, triton, a power-of-two head dim and "
-            f"bf16/fp16 attention (device {device.type}, head dim {head_dim}, float32 {fp32})"
+            "SPECD_ATTENTION_BACKEND=triton needs triton installed, a power-of-two head dim >= 16 "
+            f"and attention not in float32 (here: triton "
+            f"{'installed' if triton is not None else 'missing'}, head dim {head_dim}"
+            f"{', --batch-invariant pad-fp32' if fp32 else ''})"
         )
-    return ok
+    return ok and (backend == "triton" or device.type == "cuda")
 
 
 if triton is not None:
