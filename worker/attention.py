@@ -67,6 +67,31 @@ def _mask(q_pos: torch.Tensor, num_keys: int) -> torch.Tensor:
     return (keys[None, None, :] <= q_pos[:, :, None])[:, None]
 
 
+def kernel_metadata(
+    kv_cache: KVCache,
+    slot_mapping: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    unowned_rows: bool,
+) -> PagedMetadata:
+    """The Triton kernel's metadata (``paged_kernel.py``): the first flat token of each request
+    and each token's position instead of query and output indices and a mask."""
+    return PagedMetadata(
+        kv_cache=kv_cache,
+        slot_mapping=slot_mapping,
+        block_table=block_table,
+        query_index=None,
+        out_index=None,
+        mask=None,
+        kernel=True,
+        query_start=query_start,
+        positions=positions,
+        unowned_rows=unowned_rows,
+    )
+
+
 def build_metadata(
     kv_cache: KVCache,
     slots: list[int],
@@ -121,16 +146,12 @@ def build_metadata(
         ).to(device, non_blocking=True)
         t = total + num_padding
         parts = torch.split(flat, [t, b + 1, t, b * nb])
-        return PagedMetadata(
-            kv_cache=kv_cache,
-            slot_mapping=parts[0],
-            block_table=parts[3].view(b, nb),
-            query_index=None,
-            out_index=None,
-            mask=None,
-            kernel=True,
-            query_start=parts[1],
-            positions=parts[2],
+        return kernel_metadata(
+            kv_cache,
+            parts[0],
+            parts[3].view(b, nb),
+            parts[1],
+            parts[2],
             unowned_rows=num_padding > 0,
         )
     # one host-to-device copy for the five index arrays
@@ -172,16 +193,12 @@ def build_dense_metadata(
     device = positions.device
     if kernel:
         nb = kv_cache.blocks.blocks_for(max_len)
-        return PagedMetadata(
-            kv_cache=kv_cache,
-            slot_mapping=slot_mapping,
-            block_table=kv_cache.blocks.table[slot_idx, :nb],
-            query_index=None,
-            out_index=None,
-            mask=None,
-            kernel=True,
-            query_start=torch.arange(num_reqs + 1, device=device) * width,
-            positions=positions,
+        return kernel_metadata(
+            kv_cache,
+            slot_mapping,
+            kv_cache.blocks.table[slot_idx, :nb],
+            torch.arange(num_reqs + 1, device=device) * width,
+            positions,
             unowned_rows=positions.shape[0] > num_reqs * width,
         )
     rows = max(query_rows, width)

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from worker.attention import PagedMetadata
+from worker.attention import PagedMetadata, kernel_metadata
 from worker.kv_cache import KVCache
 
 log = logging.getLogger("specd.worker")
@@ -92,18 +92,10 @@ class RaggedGraphs:
     def _meta(self, g: _Graph) -> tuple[torch.Tensor, PagedMetadata]:
         pos, slot_mapping, query_start, slot_idx = g.split(g.inputs, self.num_reqs)
         cache = self.kv_cache
-        return pos, PagedMetadata(
-            kv_cache=cache,
-            slot_mapping=slot_mapping,
-            block_table=cache.blocks.table[slot_idx],
-            query_index=None,
-            out_index=None,
-            mask=None,
-            kernel=True,
-            query_start=query_start,
-            positions=pos,
-            unowned_rows=True,
+        meta = kernel_metadata(
+            cache, slot_mapping, cache.blocks.table[slot_idx], query_start, pos, unowned_rows=True
         )
+        return pos, meta
 
     def _graph(self, num_tokens: int) -> _Graph:
         g = self._graphs.get(num_tokens)
