@@ -23,7 +23,8 @@
 #   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
 #   --load-format dummy), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
 #   SERVE_ARGS (more flags for serve_bench.py), HOSTILE_COUNT (10000), MIXED_MODELS ("smollm2 1b"),
-#   MIXED_BATCHES ("1 8 64"); SPECD_ATTENTION_BACKEND (auto) reaches every worker it starts. The serve stage needs only the .whl wheels.
+#   MIXED_BATCHES ("1 8 64"), MIXED_ARGS ("--chunks 64 128 256 --profile 12": chunk sizes, and the
+#   kernel breakdown of each step); SPECD_ATTENTION_BACKEND (auto) reaches every worker it starts. The serve stage needs only the .whl wheels.
 set -uo pipefail
 OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
@@ -116,7 +117,7 @@ if has mixed; then
     fi
     echo "== (#14) a mixed step against a decode step, per attention backend: $m"
     python3 bench/mixed_step.py "${src[@]}" --device cuda --dtype bfloat16 --batches ${MIXED_BATCHES:-1 8 64} \
-      --json-out "$OUT/mixed_$m.json" > "$OUT/mixed_$m.log" 2>&1
+      ${MIXED_ARGS:---chunks 64 128 256 --profile 12} --json-out "$OUT/mixed_$m.json" > "$OUT/mixed_$m.log" 2>&1
     grep "^|" "$OUT/mixed_$m.log" || tail -5 "$OUT/mixed_$m.log"
   done
 fi
@@ -127,6 +128,9 @@ if has serve; then
       src=(--model "$MODEL" --drafters none ngram eagle)
     else
       src=(--model bench/configs/llama-$m --load-format dummy --drafters none ngram)
+      # a dummy draft for a dummy target: their heads share one permutation, so they agree
+      draft=$([ "$m" = 8b ] && echo 1b || echo 135m)
+      src+=(draft_model --draft-model bench/configs/llama-$draft)
     fi
     echo "== (#14) served path vs in-process runner: $m"
     mkdir -p "$OUT/serve_logs_$m"

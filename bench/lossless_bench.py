@@ -74,8 +74,17 @@ def make_runner(
 
 
 def make_drafter(
-    name: str, k: int, model: torch.nn.Module, batch: int, eagle_head: str | None
+    name: str,
+    k: int,
+    model: torch.nn.Module,
+    batch: int,
+    eagle_head: str | None,
+    draft: torch.nn.Module | None = None,
+    mode: str = "off",
+    graphs: bool = False,
 ) -> Drafter:
+    """``name``: ngram, eagle (with ``eagle_head``) or draft_model (with the loaded ``draft``,
+    run as the worker runs it: its own executor and KV cache, in ``mode``, graphed or not)."""
     if k == 0:
         return NoDrafter()
     if name.startswith("eagle"):
@@ -89,6 +98,20 @@ def make_drafter(
             max_model_len=MAX_LEN,
             max_num_tokens=k,
         )
+    if name == "draft_model":
+        from worker.drafters.draft_model import DraftModelDrafter
+
+        assert draft is not None, "the draft_model drafter needs its draft model"
+        executor = ModelExecutor(
+            draft,
+            max_num_seqs=batch,
+            max_model_len=MAX_LEN,
+            batch_invariant=mode,
+            decode_width=1 + k,
+            cuda_graphs=graphs,
+        )
+        vocab = int(model.config.get_text_config().vocab_size)
+        return DraftModelDrafter(executor, max_num_tokens=k, target_vocab_size=vocab)
     return NgramDrafter(min_n=1, max_n=4, max_num_tokens=k)
 
 

@@ -13,7 +13,10 @@ Timed, each the median of ``--reps`` forwards with the device synchronised aroun
   same forward (what a step carries when a request arrives under load);
 - prefill: that chunk alone.
 
-Issue #14 asks for mixed <= 1.5 x decode at the served batch.
+Issue #14 asks for mixed <= 1.5 x decode at the served batch. ``--chunks`` takes several chunk
+sizes (an arrival's prompt in the served workload is 40-92 tokens). ``--profile`` adds, per batch,
+the device time of the decode and the mixed step by kernel kind (GEMMs, the attention kernel, the
+rest), from torch.profiler over the graphs' replays, and the kernels that cost most.
 """
 
 from __future__ import annotations
@@ -49,15 +52,61 @@ def timed(fn: Any, reps: int, device: torch.device) -> float:
     return statistics.median(times)
 
 
+def kind(name: str) -> str:
+    n = name.lower()
+    if "paged_attention" in n:
+        return "attention"
+    if any(t in n for t in ("gemm", "gemv", "cutlass", "nvjet", "sm90_", "splitk", "cublas")):
+        return "gemm"
+    return "other"
+
+
+def kernel_profile(fn: Any, reps: int, top: int) -> dict[str, Any]:
+    """Device ms per call of ``fn`` by kernel kind, and the ``top`` kernels by device time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    kinds: dict[str, float] = {}
+    kernels: dict[str, tuple[float, int]] = {}
+    for e in prof.events():
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        us = e.device_time_total if hasattr(e, "device_time_total") else e.cuda_time_total
+        k = kind(e.name)
+        kinds[k] = kinds.get(k, 0.0) + us
+        t, c = kernels.get(e.name, (0.0, 0))
+        kernels[e.name] = (t + us, c + 1)
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]
+    return {
+        "device_ms": round(sum(kinds.values()) / reps / 1000, 3),
+        "by_kind_ms": {k: round(v / reps / 1000, 3) for k, v in sorted(kinds.items())},
+        "top": [
+            {"kernel": n[:90], "ms": round(t / reps / 1000, 3), "calls": c // reps}
+            for n, (t, c) in ranked
+        ],
+    }
+
+
 def measure(
-    model: Any, backend: str, batch: int, context: int, chunk: int, reps: int
-) -> dict[str, Any]:
+    model: Any,
+    backend: str,
+    batch: int,
+    context: int,
+    chunks: list[int],
+    reps: int,
+    profile_top: int = 0,
+) -> list[dict[str, Any]]:
     os.environ["SPECD_ATTENTION_BACKEND"] = backend
     device = next(model.parameters()).device
     ex = ModelExecutor(
         model,
         max_num_seqs=batch + 1,
-        max_model_len=context + chunk + 64,
+        max_model_len=context + max(chunks) + 64,
         batch_invariant="pad" if device.type == "cuda" else "off",
         decode_width=1,
         cuda_graphs=device.type == "cuda",
@@ -89,32 +138,40 @@ def measure(
     def decode() -> None:
         ex.forward(d_ids, d_pos, slots, [context] * batch, [1] * batch, last)
 
-    m_slots = [*slots, batch]
-    m_starts, m_counts = [context] * batch + [0], [1] * batch + [chunk]
-    m_ids, m_pos = ids(batch + chunk), pos(m_starts, m_counts)
-    m_last = torch.cat([last, torch.tensor([batch + chunk - 1], device=device)])
+    decode_ms = round(timed(decode, reps, device), 3)
+    rows = []
+    for chunk in chunks:
+        m_slots = [*slots, batch]
+        m_starts, m_counts = [context] * batch + [0], [1] * batch + [chunk]
+        m_ids, m_pos = ids(batch + chunk), pos(m_starts, m_counts)
+        m_last = torch.cat([last, torch.tensor([batch + chunk - 1], device=device)])
 
-    def mixed() -> None:
-        ex.forward(m_ids, m_pos, m_slots, m_starts, m_counts, m_last)
+        def mixed() -> None:
+            ex.forward(m_ids, m_pos, m_slots, m_starts, m_counts, m_last)  # noqa: B023
 
-    p_ids, p_pos = ids(chunk), pos([0], [chunk])
-    p_last = torch.tensor([chunk - 1], device=device)
+        p_ids, p_pos = ids(chunk), pos([0], [chunk])
+        p_last = torch.tensor([chunk - 1], device=device)
 
-    def prefill() -> None:
-        ex.forward(p_ids, p_pos, [batch], [0], [chunk], p_last)
+        def prefill() -> None:
+            ex.forward(p_ids, p_pos, [batch], [0], [chunk], p_last)  # noqa: B023
 
-    row = {
-        "backend": backend,
-        "kernel": ex.kernel,
-        "batch": batch,
-        "context": context,
-        "chunk": chunk,
-        "decode_ms": round(timed(decode, reps, device), 3),
-        "mixed_ms": round(timed(mixed, reps, device), 3),
-        "prefill_ms": round(timed(prefill, reps, device), 3),
-    }
-    row["mixed_over_decode"] = round(row["mixed_ms"] / row["decode_ms"], 2)
-    return row
+        row: dict[str, Any] = {
+            "backend": backend,
+            "kernel": ex.kernel,
+            "batch": batch,
+            "context": context,
+            "chunk": chunk,
+            "decode_ms": decode_ms,
+            "mixed_ms": round(timed(mixed, reps, device), 3),
+            "prefill_ms": round(timed(prefill, reps, device), 3),
+        }
+        row["mixed_over_decode"] = round(row["mixed_ms"] / row["decode_ms"], 2)
+        if profile_top and device.type == "cuda":
+            if chunk == chunks[0]:
+                row["decode_profile"] = kernel_profile(decode, reps, profile_top)
+            row["mixed_profile"] = kernel_profile(mixed, reps, profile_top)
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
@@ -126,7 +183,8 @@ def main() -> None:
     ap.add_argument("--backends", nargs="+", default=["sdpa", "triton"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 64])
     ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--chunks", nargs="+", type=int, default=[256])
+    ap.add_argument("--profile", type=int, default=0, help="kernel breakdown, top N kernels")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
@@ -136,16 +194,14 @@ def main() -> None:
     rows = []
     for backend in a.backends:
         for b in a.batches:
-            rows.append(measure(model, backend, b, a.context, a.chunk, a.reps))
-            print(json.dumps(rows[-1]), flush=True)
-    print(
-        f"| backend | batch | decode ms | mixed ms (+{a.chunk}-token chunk) | mixed / decode "
-        "| prefill ms |"
-    )
-    print("|---|---:|---:|---:|---:|---:|")
+            for row in measure(model, backend, b, a.context, a.chunks, a.reps, a.profile):
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+    print("| backend | batch | chunk | decode ms | mixed ms | mixed / decode | prefill ms |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(
-            f"| {r['backend']} | {r['batch']} | {r['decode_ms']} | {r['mixed_ms']} "
+            f"| {r['backend']} | {r['batch']} | {r['chunk']} | {r['decode_ms']} | {r['mixed_ms']} "
             f"| {r['mixed_over_decode']} | {r['prefill_ms']} |"
         )
     if a.json_out:

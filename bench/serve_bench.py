@@ -79,6 +79,8 @@ def worker_cmd(a: argparse.Namespace, drafter: str, addr: str) -> list[str]:
     cmd += ["--num-speculative-tokens", str(0 if drafter == "none" else a.k)]
     if drafter == "eagle":
         cmd += ["--eagle-head", a.eagle_head]
+    if drafter == "draft_model":
+        cmd += ["--draft-model", a.draft_model]
     if a.compile:
         cmd += ["--enable-torch-compile"]
     if a.device:
@@ -151,6 +153,11 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = getattr(torch, a.dtype) if a.dtype else None
     loaded = load_model(a.model, device=device, dtype=dtype, load_format=a.load_format)
+    draft = (
+        load_model(a.draft_model, device=device, dtype=dtype, load_format=a.load_format).model
+        if "draft_model" in a.drafters
+        else None
+    )
     tok = TokenizerInfo(loaded.tokenizer_directory)
     free = [w for w in bodies if not w.get("structured")]
     prompts = [tok.encode(tok.apply_chat_template(w["messages"])) for w in free]
@@ -163,9 +170,10 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
         for c in a.concurrencies:
             group = (prompts * (c // len(prompts) + 1))[:c]
             head = a.eagle_head if drafter == "eagle" else None
+            graphs = device.type == "cuda"
             runner = make_runner(
-                loaded.model, make_drafter(drafter, k, loaded.model, c, head), k, c, mode,
-                graphs=device.type == "cuda", compile_layers=a.compile,
+                loaded.model, make_drafter(drafter, k, loaded.model, c, head, draft, mode, graphs),
+                k, c, mode, graphs=graphs, compile_layers=a.compile,
             )  # fmt: skip
             out = decode(runner, group, a.max_tokens, k)
             seconds, steps, tokens = out["decode"]  # decode steps only, no prefill in them
@@ -264,6 +272,12 @@ def main() -> None:
     ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "eagle"])
     ap.add_argument("--modes", nargs="+", default=["sync", "overlap"], choices=("sync", "overlap"))
     ap.add_argument("--eagle-head", default="embedded", help="with the eagle drafter")
+    ap.add_argument(
+        "--draft-model",
+        default=None,
+        help="with the draft_model drafter: its model (with --load-format dummy a config folder, "
+        "e.g. bench/configs/llama-1b for the 8B target)",
+    )
     ap.add_argument("--k", type=int, default=4, help="drafts per step")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--seed", type=int, default=0, help="of the Poisson arrivals")
@@ -282,6 +296,8 @@ def main() -> None:
     ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
+    if "draft_model" in a.drafters and not a.draft_model:
+        ap.error("--drafters draft_model needs --draft-model")
     bodies = workload(a.num_requests, a.max_tokens)
     print(f"seed {a.seed}; {len(bodies)} requests a row", flush=True)
     rows: list[dict[str, Any]] = []

@@ -174,8 +174,9 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         default=d.load_format,
         choices=LOAD_FORMATS,
         help="auto: the model's weights; dummy: seeded random weights for the --model "
-        "directory's config.json (no weights files; vLLM's name), in --dtype; without a "
-        "tokenizer.json there a byte-level tokenizer stands in (benchmarks, tests)",
+        "directory's config.json (no weights files; vLLM's name), in --dtype, for --model "
+        "and --draft-model alike; without a tokenizer.json there a byte-level tokenizer "
+        "stands in (benchmarks, tests)",
     )
     ap.add_argument("--drafter", default=d.drafter, choices=DRAFTERS, help="how drafts are made")
     ap.add_argument(

@@ -24,6 +24,7 @@ padding) keep what the caller put in ``out``.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -60,6 +61,11 @@ def use_kernel(device: torch.device, head_dim: int, fp32: bool = False) -> bool:
             f"and attention not in float32 (here: triton "
             f"{'installed' if triton is not None else 'missing'}, head dim {head_dim}"
             f"{', --batch-invariant pad-fp32' if fp32 else ''})"
+        )
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"SPECD_ATTENTION_BACKEND=triton on {device.type} runs only in triton's interpreter: "
+            "set TRITON_INTERPRET=1 (for tests: it is slow)"
         )
     return ok and (backend == "triton" or device.type == "cuda")
 

@@ -38,10 +38,15 @@ Backbone = Callable[[torch.Tensor, torch.Tensor, PagedMetadata], torch.Tensor]
 
 
 def token_buckets(smallest: int, max_tokens: int) -> list[int]:
-    """Powers of two times ``smallest`` up to the first that holds ``max_tokens``."""
+    """Multiples of ``smallest`` up to 8x it, then multiples of 4x it, up to the first that holds
+    ``max_tokens``. A step is padded to the next bucket, so the steps of continuous batching (the
+    running decodes plus an arrival's prompt: 64 + 73 tokens, say) want fine steps where they
+    fall: powers of two ran that one at 256 tokens, 1.9x its work. Every bucket stays a multiple
+    of ``smallest`` (pad mode's token bucket)."""
     out = [smallest]
     while out[-1] < max_tokens:
-        out.append(out[-1] * 2)
+        step = smallest if out[-1] < 8 * smallest else 4 * smallest
+        out.append(out[-1] + step)
     return out
 
 

@@ -103,7 +103,9 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     elif cfg.drafter in ("draft_model", "parallel") and k:
         assert cfg.draft_model is not None
         log.info("loading draft %s", cfg.draft_model)
-        draft = load_model(cfg.draft_model, device=device, dtype=dtype)
+        # --load-format covers the draft too: dummy target, dummy draft (their random heads share
+        # one permutation, dummy_weights.stable_greedy, so the pair agrees as a real one does)
+        draft = load_model(cfg.draft_model, device=device, dtype=dtype, load_format=cfg.load_format)
         if (
             draft.model.config.get_text_config().vocab_size
             > target.model.config.get_text_config().vocab_size

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 import queue
+import threading
 
 from scheduler_client.engine_loop import Done, EngineLoop, Event, Refused, Stream
 from scheduler_client.http.errors import ApiError
@@ -56,6 +57,7 @@ class Door:
         self.max_active_requests = max_active_requests
         self.body_timeout_s = body_timeout_s
         self.alive = True  # False once the engine loops have ended
+        self.wakeups: Wakeups | None = None  # set by the first Events, on the event loop
         # loop index -> requests submitted to it and not yet finished by it
         self.admitted = [0] * len(loops)
         self._settling: set[asyncio.Task[None]] = set()
@@ -116,20 +118,49 @@ class Door:
         task.add_done_callback(self._settling.discard)
 
 
+class Wakeups:
+    """Wakes readers on one event loop from the engine's thread, one loop wake-up for all the
+    readers woken meanwhile. A step streams a token to each of its requests: one
+    ``call_soon_threadsafe`` each (a write to the loop's self-pipe, a callback) was 64 of them a
+    step at batch 64, on the engine's thread and under the GIL; now the first reader woken in a
+    step schedules one flush and the others join it."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._pending: list[asyncio.Event] = []
+
+    def wake(self, ready: asyncio.Event) -> None:  # any thread
+        with self._lock:
+            self._pending.append(ready)
+            if len(self._pending) > 1:
+                return  # a flush is already scheduled and has not run yet
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is reading
+            self.loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:  # the event loop
+        with self._lock:
+            pending, self._pending = self._pending, []
+        for ready in pending:
+            ready.set()
+
+
 class Events:
     """A request's stream read on the event loop: the engine's thread queues an event, then
-    wakes ``ready`` through the loop."""
+    wakes ``ready`` through the loop (``Wakeups``)."""
 
     def __init__(self, door: Door) -> None:
         self.door = door
-        self.loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if door.wakeups is None or door.wakeups.loop is not loop:
+            door.wakeups = Wakeups(loop)
+        self.wakeups = door.wakeups
         self.ready = asyncio.Event()
         self.gone = False  # set by the disconnect watcher
         self.stream: Stream  # set right after submit, which needs ``wake`` first
 
     def wake(self) -> None:  # the engine's thread
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody is reading
-            self.loop.call_soon_threadsafe(self.ready.set)
+        self.wakeups.wake(self.ready)
 
     async def next(self) -> Event | Gone | None:
         """The next event; ``GONE`` once the client has left (non-streaming requests watch
