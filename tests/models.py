@@ -74,6 +74,22 @@ def greedy_reference(ref: torch.nn.Module, prompt: list[int], max_tokens: int) -
     return ids[len(prompt) :]
 
 
+def min_greedy_gap(ref: torch.nn.Module, prompt: list[int], max_tokens: int) -> float:
+    """The smallest gap between the two largest logits along the greedy path of ``prompt`` (EOS
+    ignored). Under a few ulps (random weights make such ties), a token computed in a prefill (a
+    replay, a recompute after preemption) and the same token computed in a decode step may round
+    to different argmaxes: exact comparisons across those paths need prompts clear of ties."""
+    ids, past, gap = torch.tensor([prompt]), None, float("inf")
+    with torch.no_grad():
+        for _ in range(max_tokens):
+            out = ref(ids, past_key_values=past, use_cache=True)
+            past, logits = out.past_key_values, out.logits[0, -1]
+            top = logits.topk(2).values
+            gap = min(gap, float(top[0] - top[1]))
+            ids = logits.argmax().view(1, 1)
+    return gap
+
+
 BYTE_MODEL_SEED = 31  # the byte-level target of the two-process tests (conftest.py)
 
 
