@@ -26,6 +26,7 @@ import argparse
 import http.client
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,15 @@ from typing import Any
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench.prompts import PROMPTS
-from bench.serve_load import chat_body, closed_loop, poisson, scrape, summarize
+from bench.serve_load import (
+    chat_body,
+    closed_loop,
+    cpu_seconds,
+    poisson,
+    scrape,
+    step_stats,
+    summarize,
+)
 from scheduler_client.bench_serve import load_workload
 from tests.daemons import wait_ready
 
@@ -72,8 +81,20 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 900
     raise RuntimeError(f"specd-scheduler not ready within {timeout_s:.0f} s")
 
 
-def worker_cmd(a: argparse.Namespace, drafter: str, addr: str) -> list[str]:
+def client_procs(a: argparse.Namespace, c: int) -> int:
+    """--client-procs, or by default one client process per 16 streams (at most 8)."""
+    return a.client_procs or max(1, min(8, c // 16))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def worker_cmd(a: argparse.Namespace, drafter: str, addr: str, metrics_port: int) -> list[str]:
     cmd = [sys.executable, "-m", "worker.daemon", "--model", a.model, "--listen", addr]
+    cmd += ["--metrics-port", str(metrics_port)]
     cmd += ["--load-format", a.load_format, "--drafter", drafter, "--log-level", "WARNING"]
     cmd += ["--max-num-seqs", str(max(a.concurrencies)), "--max-model-len", str(a.max_model_len)]
     cmd += ["--num-speculative-tokens", str(0 if drafter == "none" else a.k)]
@@ -99,7 +120,8 @@ def served(
         addr = f"ipc://{tmp}/worker.sock"
         log = open(os.path.join(a.log_dir or tmp, f"serve-{drafter}-{mode}.log"), "ab")  # noqa: SIM115
         sched_log = Path(a.log_dir or tmp) / f"serve-{drafter}-{mode}-scheduler.log"
-        worker = subprocess.Popen(worker_cmd(a, drafter, addr), stderr=log)
+        wport = free_port()  # the worker's /metrics: its step times beside the scheduler's
+        worker = subprocess.Popen(worker_cmd(a, drafter, addr, wport), stderr=log)
         # --port 0: the scheduler binds a free port and names it in its "ready" line
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
@@ -111,11 +133,13 @@ def served(
             port = wait_ready(sched, sched_log, 900.0)
             wait_health(port, sched)
             # warm-up: graph capture for every width, the allocator, the grammar caches
-            closed_loop(port, bodies[: max(a.concurrencies)], max(a.concurrencies))
+            top = max(a.concurrencies)
+            closed_loop(port, bodies[:top], top, client_procs(a, top))
             phases: list[tuple[str, Any]] = [(f"c={c}", c) for c in a.concurrencies]
             phases += [(f"rate={a.rate}", None)] if a.rate else []
             for name, c in phases:
-                before = scrape(port)
+                before, wbefore = scrape(port), scrape(wport, "specd_worker_")
+                cpu0 = cpu_seconds(sched.pid), cpu_seconds(worker.pid)
                 # --requests-per-client: c clients send K requests each (at least 16 in all), so
                 # a concurrency keeps arrivals coming without the low ones running for minutes
                 some = (
@@ -123,11 +147,22 @@ def served(
                     if a.requests_per_client
                     else bodies
                 )
-                results, wall = (
-                    closed_loop(port, some, c) if c else poisson(port, bodies, a.rate, a.seed)
+                results, wall, client_cpu = (
+                    closed_loop(port, some, c, client_procs(a, c))
+                    if c
+                    else poisson(port, bodies, a.rate, a.seed)
                 )
                 row = {"path": "served", "drafter": drafter, "mode": mode, "load": name}
-                rows.append({**row, **summarize(results, wall, before, scrape(port))})
+                after, wafter = scrape(port), scrape(wport, "specd_worker_")
+                cpu = cpu_seconds(sched.pid) - cpu0[0], cpu_seconds(worker.pid) - cpu0[1]
+                rows.append({**row, **summarize(results, wall, before, after)})
+                # where a step's time goes: the worker executing it (busy: its share of the
+                # wall), the scheduler's round trip (its own work and the sockets included), and
+                # each process's CPU time a step (the scheduler's HTTP thread included)
+                rows[-1]["worker"] = step_stats(wall, wbefore, wafter, "specd_worker_", cpu[1])
+                rows[-1]["scheduler"] = step_stats(wall, before, after, "specd_scheduler_", cpu[0])
+                steps = rows[-1]["worker"]["steps"]
+                rows[-1]["client_cpu_ms"] = round(1000 * client_cpu / steps, 3) if steps else None
                 print(json.dumps(rows[-1]), flush=True)
         finally:
             for p in (sched, worker):
@@ -236,17 +271,26 @@ def table(rows: list[dict[str, Any]]) -> str:
     def ms(r: dict[str, Any], key: str, q: str) -> str:
         return str(r.get(key, {}).get(q, "-"))
 
+    def st(r: dict[str, Any], key: str, q: str) -> str:
+        v = (r.get(key) or {}).get(q)
+        return "-" if v is None else str(v)
+
     lines = [
         "| path | drafter | mode | load | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
-        "| acceptance | mean acc. len | errors |",
-        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| acceptance | mean acc. len | errors | steps | wall ms/step | worker ms/step "
+        "| worker busy | batch | sched. CPU ms/step | client CPU ms/step |",
+        "|---|---|---|---|" + "---:|" * 15,
     ]
     for r in rows:
         lines.append(
             f"| {r['path']} | {r['drafter']} | {r['mode']} | {r['load']} | {r['output_tok_s']} "
             f"| {ms(r, 'ttft', 'p50_ms')} | {ms(r, 'ttft', 'p99_ms')} | {ms(r, 'tpot', 'p50_ms')} "
             f"| {ms(r, 'tpot', 'p99_ms')} | {r.get('acceptance_rate', '-')} "
-            f"| {r.get('mean_acceptance_length') or '-'} | {r.get('errors', '-')} |"
+            f"| {r.get('mean_acceptance_length') or '-'} | {r.get('errors', '-')} "
+            f"| {st(r, 'worker', 'steps')} | {st(r, 'worker', 'wall_ms')} "
+            f"| {st(r, 'worker', 'step_ms')} | {st(r, 'worker', 'busy')} "
+            f"| {st(r, 'worker', 'batch')} | {st(r, 'scheduler', 'cpu_ms')} "
+            f"| {r.get('client_cpu_ms') or '-'} |"
         )
     return "\n".join(lines)
 
@@ -293,9 +337,17 @@ def main() -> None:
         help="torch.compile'd decoder layers: the workers' --enable-torch-compile, and the same "
         "for the in-process runner (the hf-graph rows stay transformers' own layers)",
     )
+    ap.add_argument(
+        "--client-procs",
+        type=int,
+        default=0,
+        help="processes the closed-loop clients run on (0: one per 16 streams, at most 8)",
+    )
     ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
+    if a.log_dir:
+        os.makedirs(a.log_dir, exist_ok=True)
     if "draft_model" in a.drafters and not a.draft_model:
         ap.error("--drafters draft_model needs --draft-model")
     bodies = workload(a.num_requests, a.max_tokens)

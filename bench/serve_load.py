@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import http.client
 import json
+import multiprocessing
+import os
 import random
 import re
 import threading
@@ -66,12 +68,17 @@ def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Re
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
                 continue
+            if ttft is None:
+                ttft = time.perf_counter() - t0
+            # only the events that can carry an error or the usage are decoded: a token's text
+            # is JSON-escaped, so its quotes never spell these keys (a client decoding every
+            # event was the bottleneck at 64 streams)
+            if b'"error"' not in line and b'"usage"' not in line:
+                continue
             event = json.loads(line[6:])
             if "error" in event:
                 error = str(event["error"])
                 continue
-            if ttft is None:
-                ttft = time.perf_counter() - t0
             if event.get("usage"):
                 tokens = int(event["usage"]["completion_tokens"])
     except (OSError, http.client.HTTPException) as e:
@@ -82,9 +89,31 @@ def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Re
 
 
 def closed_loop(
+    port: int, bodies: list[dict[str, Any]], concurrency: int, procs: int = 1
+) -> tuple[list[Result], float, float]:
+    """``concurrency`` clients, each sending its next request when the last one finished, on
+    ``procs`` processes (the clients split evenly, the bodies dealt round): one Python process
+    reading 64 streams under one GIL can fall behind the server it measures. Returns the
+    results, the wall time from the first request sent to the last answer read, and the
+    clients' CPU seconds (every process and thread)."""
+    procs = max(1, min(procs, concurrency))
+    if procs == 1:
+        results, start, end, cpu = _clients(port, bodies, concurrency)
+        return results, end - start, cpu
+    shares = [concurrency // procs + (i < concurrency % procs) for i in range(procs)]
+    ctx = multiprocessing.get_context("fork")  # the clients touch no CUDA, only sockets
+    with ctx.Pool(procs) as pool:
+        parts = pool.starmap(_clients, [(port, bodies[i::procs], shares[i]) for i in range(procs)])
+    results = [r for part in parts for r in part[0]]
+    wall = max(p[2] for p in parts) - min(p[1] for p in parts)
+    return results, wall, sum(p[3] for p in parts)
+
+
+def _clients(
     port: int, bodies: list[dict[str, Any]], concurrency: int
-) -> tuple[list[Result], float]:
-    """``concurrency`` clients, each sending its next request when the last one finished."""
+) -> tuple[list[Result], float, float, float]:
+    """One process's share of ``closed_loop``: results, start and end (``time.time()``, which
+    processes share) and its CPU seconds."""
     results: list[Result] = []
     lock = threading.Lock()
     todo = iter(bodies)
@@ -99,19 +128,20 @@ def closed_loop(
             with lock:
                 results.append(r)
 
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.time()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    return results, time.perf_counter() - t0
+    return results, t0, time.time(), time.process_time() - cpu0
 
 
 def poisson(
     port: int, bodies: list[dict[str, Any]], rate: float, seed: int = 0
-) -> tuple[list[Result], float]:
-    """Requests arrive at ``rate`` per second (exponential gaps, seeded), whatever is running."""
+) -> tuple[list[Result], float, float]:
+    """Requests arrive at ``rate`` per second (exponential gaps, seeded), whatever is running.
+    Returns the results, the wall time and this process's CPU seconds."""
     rng = random.Random(seed)
     results: list[Result] = []
     lock = threading.Lock()
@@ -121,7 +151,7 @@ def poisson(
         with lock:
             results.append(r)
 
-    t0 = time.perf_counter()
+    cpu0, t0 = time.process_time(), time.perf_counter()
     threads = []
     due = 0.0
     for body in bodies:
@@ -131,11 +161,13 @@ def poisson(
         due += rng.expovariate(rate)
     for t in threads:
         t.join()
-    return results, time.perf_counter() - t0
+    return results, time.perf_counter() - t0, time.process_time() - cpu0
 
 
-def scrape(port: int) -> dict[str, float]:
-    """The scheduler's counters (``specd_scheduler_*_total``), unlabelled ones only."""
+def scrape(port: int, prefix: str = "specd_scheduler_") -> dict[str, float]:
+    """Unlabelled counters (``*_total``) and histogram sums and counts (``*_sum``, ``*_count``)
+    whose names start with ``prefix``: the scheduler's by default, ``specd_worker_`` for a
+    worker's ``--metrics-port``."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         conn.request("GET", "/metrics")
@@ -143,9 +175,44 @@ def scrape(port: int) -> dict[str, float]:
     finally:
         conn.close()
     out = {}
-    for m in re.finditer(r"^(specd_scheduler_\w+_total) ([0-9.e+-]+)$", text, re.M):
+    pat = rf"^({re.escape(prefix)}\w+_(?:total|sum|count)) ([0-9.e+-]+)$"
+    for m in re.finditer(pat, text, re.M):
         out[m.group(1)] = float(m.group(2))
     return out
+
+
+def cpu_seconds(pid: int) -> float:
+    """User plus system CPU time of process ``pid`` (all its threads), from /proc."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def step_stats(
+    wall_s: float,
+    before: dict[str, float],
+    after: dict[str, float],
+    prefix: str,
+    cpu_s: float | None = None,
+) -> dict[str, float | None]:
+    """Steps in a phase from one process's step histogram: how many, mean ms, the share of the
+    phase's wall time spent in them, (a worker's) mean requests a step, and the process's CPU
+    ms a step (``cpu_s``: its CPU seconds over the phase, every thread). A CPU time a step near
+    the wall time a step says the process is the bottleneck (a GIL runs one thread at a time)."""
+
+    def delta(name: str) -> float:
+        return after.get(prefix + name, 0.0) - before.get(prefix + name, 0.0)
+
+    steps, seconds = delta("step_seconds_count"), delta("step_seconds_sum")
+    batch = delta("batch_size_sum")
+    return {
+        "steps": int(steps),
+        "step_ms": round(1000 * seconds / steps, 3) if steps else None,
+        "wall_ms": round(1000 * wall_s / steps, 3) if steps else None,
+        "busy": round(seconds / wall_s, 3) if wall_s else None,
+        "batch": round(batch / steps, 2) if steps and batch else None,
+        "cpu_ms": round(1000 * cpu_s / steps, 3) if steps and cpu_s is not None else None,
+    }
 
 
 def summarize(

@@ -9,7 +9,9 @@ the extensions vLLM users know are accepted too: ``top_k``, ``seed``, ``ignore_e
 
 from __future__ import annotations
 
+import json
 import time
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
@@ -208,6 +210,26 @@ def chunk(
         "model": model,
         "choices": [choice],
     }
+
+
+_HOLE = "\x00text\x00"  # no detokenized text holds a NUL; json.dumps writes it \u0000text\u0000
+
+
+def text_chunks(req_id: str, *, chat: bool, model: str, created: int) -> Callable[[str], bytes]:
+    """The encoder of one stream's middle events, ``chunk(..., text=t)`` as a server-sent event:
+    the JSON around the text is encoded once, each event encodes only its text. The bytes are
+    those of ``json.dumps(chunk(...), ensure_ascii=False)``."""
+    hole = json.dumps(_HOLE)
+    around = json.dumps(
+        chunk(req_id, chat=chat, model=model, created=created, text=_HOLE), ensure_ascii=False
+    )
+    head, _, tail = around.rpartition(hole)  # the text comes last, after id and model
+    head_b, tail_b = b"data: " + head.encode(), tail.encode() + b"\n\n"
+
+    def encode(text: str) -> bytes:
+        return head_b + json.dumps(text, ensure_ascii=False).encode() + tail_b
+
+    return encode
 
 
 def now() -> int:

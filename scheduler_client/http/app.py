@@ -2,8 +2,10 @@
 ``/v1/models``, ``/health`` and ``/metrics``, as one Starlette app.
 
 Everything here runs on the door's event loop; it only talks to the ``EngineLoop``s (submit,
-abort, read a ``Stream``), never to an engine. The engine's thread wakes a waiting handler
-through ``Stream.waker`` (``call_soon_threadsafe``), so a waiting request costs no thread.
+abort, read a ``Stream``), never to an engine. The engine's thread wakes waiting handlers
+through ``Stream.waker`` and the door's ``Wakeups`` (one ``call_soon_threadsafe`` a step for
+all streams), so a waiting request costs no thread. A stream that fell behind sends the
+tokens queued for it as one chunk; the middle chunks come from one stream's byte template.
 
 Admission and the engine loops' state live in ``door``.
 """
@@ -224,22 +226,28 @@ async def _stream(
     def sse(obj: dict[str, Any]) -> bytes:
         return b"data: " + json.dumps(obj, ensure_ascii=False).encode() + b"\n\n"
 
+    text_sse = api.text_chunks(req_id, chat=chat, model=door.model, created=created)
+
     async def body() -> AsyncIterator[bytes]:
         nonlocal ended
         event: Event | Gone | None = first
         opened = False
         while event is not None and not isinstance(event, Gone):
             if isinstance(event, Delta):
-                yield sse(
-                    api.chunk(
-                        req_id,
-                        chat=chat,
-                        model=door.model,
-                        created=created,
-                        text=event.text,
-                        first=not opened,
+                text = event.text + events.more_text()  # fallen behind: one chunk for all
+                if opened:
+                    yield text_sse(text)
+                else:
+                    yield sse(
+                        api.chunk(
+                            req_id,
+                            chat=chat,
+                            model=door.model,
+                            created=created,
+                            text=text,
+                            first=True,
+                        )
                     )
-                )
                 opened = True
             elif isinstance(event, Done):
                 ended = True

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 
-from scheduler_client.engine_loop import Done, EngineLoop, Event, Refused, Stream
+from scheduler_client.engine_loop import Delta, Done, EngineLoop, Event, Refused, Stream
 from scheduler_client.http.errors import ApiError
 from scheduler_client.prom import merged_registry
 
@@ -158,6 +158,7 @@ class Events:
         self.ready = asyncio.Event()
         self.gone = False  # set by the disconnect watcher
         self.stream: Stream  # set right after submit, which needs ``wake`` first
+        self._held: Event | None = None  # read past by ``more_text``, returned by ``next``
 
     def wake(self) -> None:  # the engine's thread
         self.wakeups.wake(self.ready)
@@ -165,6 +166,9 @@ class Events:
     async def next(self) -> Event | Gone | None:
         """The next event; ``GONE`` once the client has left (non-streaming requests watch
         for it), None once the engines have stopped."""
+        if self._held is not None:
+            held, self._held = self._held, None
+            return held
         while not self.gone:
             self.ready.clear()
             with contextlib.suppress(queue.Empty):
@@ -174,3 +178,20 @@ class Events:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.ready.wait(), POLL_S)
         return GONE
+
+    def more_text(self) -> str:
+        """The text of the ``Delta``s already queued behind the one just read, without waiting:
+        a reader that fell behind the engine sends them as one chunk (one write, not one a
+        token; vLLM's output collector merges the same way). The first other event read is
+        kept for ``next``."""
+        texts = []
+        while self._held is None:
+            try:
+                event = self.stream.events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, Delta):
+                texts.append(event.text)
+            else:
+                self._held = event
+        return "".join(texts)
