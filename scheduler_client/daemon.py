@@ -51,6 +51,7 @@ class ServeConfig:
     input_limits: InputLimits = dataclasses.field(default_factory=InputLimits)
     prep_threads: int = 4  # threads that check limits and compile grammars
     prep_processes: int = 2  # processes that render chat templates and tokenize
+    switch_interval_ms: float = 5.0  # sys.setswitchinterval: the engine and HTTP threads' GIL
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -74,6 +75,8 @@ class ServeConfig:
             raise ValueError("--prep-threads and --prep-processes must be >= 1")
         if self.data_parallel_size > 1 and self.engine.worker_addr:
             raise ValueError("--data-parallel-size launches its workers: drop --worker")
+        if not 0 < self.switch_interval_ms <= 1000:
+            raise ValueError("--switch-interval-ms must be > 0 and <= 1000")
         if self.log_format not in ("text", "json"):
             raise ValueError("--log-format must be text or json")
         if self.api_key_file is not None and not Path(self.api_key_file).is_file():
@@ -172,6 +175,14 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         help="processes that render chat templates and tokenize prompts (the tokenizer holds "
         "the GIL, so threads would stall the engine)",
     )
+    ap.add_argument(
+        "--switch-interval-ms",
+        type=float,
+        default=5.0,
+        help="how long a thread holding the GIL runs before a waiting one takes it (Python's "
+        "sys.setswitchinterval; its default is 5): the engine's thread, back from a socket "
+        "call, waits up to this long for the HTTP thread streaming tokens",
+    )
     add_limit_args(ap)
     add_engine_args(ap)
     add_log_args(ap)
@@ -196,6 +207,7 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         input_limits=input_limits(a),
         prep_threads=a.prep_threads,
         prep_processes=a.prep_processes,
+        switch_interval_ms=a.switch_interval_ms,
         log_level=a.log_level,
         log_format=a.log_format,
     )
@@ -209,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specd-scheduler: {e}", file=sys.stderr)
         return EXIT_CONFIG
     setup_logging(cfg.log_level, cfg.log_format)
+    sys.setswitchinterval(cfg.switch_interval_ms / 1000)
     where = (
         cfg.engine.worker_addr
         or f"{cfg.data_parallel_size} launched worker(s) ({cfg.engine.model})"
