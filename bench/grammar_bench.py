@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-from scheduler_client.grammar import LLGuidanceBackend, StructuredSpec
+from scheduler_client.grammar import LLGuidanceBackend, StructuredSpec, fill_rows_many
 from scheduler_client.tokenizer import TokenizerInfo
 from worker.model_loader import EMBEDDED_MODEL, resolve_model_dir
 
@@ -100,6 +100,34 @@ def main() -> None:
         f"{statistics.median(per_step) * 64 * 1e3:.1f} ms |"
     )
     print(f"| instance length | {len(ids)} tokens |")
+    # a step at batch 64: 64 requests at spread positions of the instance, one row each (no
+    # drafts) and 6 rows each (5 drafts), one matcher at a time against fill_rows_many
+    ms = []
+    for i in range(64):
+        mi = backend.matcher(StructuredSpec("json", SCHEMA))
+        for t in ids[: (i * 7) % (len(ids) - 6)]:
+            assert mi.accept(t)
+        ms.append(mi)
+    pos = [(i * 7) % (len(ids) - 6) for i in range(64)]
+    for k in (0, 5):
+        jobs = [
+            (mi, i * (k + 1), ids[p : p + k]) for i, (mi, p) in enumerate(zip(ms, pos, strict=True))
+        ]
+        out = np.empty((64 * (k + 1), words), np.int32)
+        one, many = [], []
+        for _ in range(20):
+            t0 = time.perf_counter()
+            for mi, start, d in jobs:
+                mi.fill_rows(out, start, d)
+            one.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            fill_rows_many(out, jobs)
+            many.append(time.perf_counter() - t0)
+        print(
+            f"| 64 requests × {k + 1} row{'s' if k else ''}, one step: one at a time / fill_rows_many "
+            f"({os.cpu_count()} cores; median of 20) | {statistics.median(one) * 1e3:.2f} / "
+            f"{statistics.median(many) * 1e3:.2f} ms |"
+        )
 
 
 if __name__ == "__main__":

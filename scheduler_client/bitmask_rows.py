@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from protocol.messages import SchedulerOutput, StepBitmask
+from scheduler_client.grammar import Matcher, fill_rows_many
 from scheduler_client.request import Request
 
 
@@ -25,10 +26,12 @@ def step_rows(
     total = sum(w + 1 for _, w in rows)
     bitmask = np.empty((total, words), np.int32)
     cu = np.zeros(len(rows) + 1, np.int32)
+    jobs: list[tuple[Matcher, int, list[int]]] = []
     for i, (req, w) in enumerate(rows):
         assert req.matcher is not None
-        req.matcher.fill_rows(bitmask, int(cu[i]), real_drafts(req)[:w].tolist())
+        jobs.append((req.matcher, int(cu[i]), real_drafts(req)[:w].tolist()))
         cu[i + 1] = cu[i] + w + 1
+    fill_rows_many(bitmask, jobs)
     return [r.req_id for r, _ in rows], cu, bitmask
 
 
@@ -44,26 +47,29 @@ def deferred_rows(
     there). A request without fresh drafts gets 0 valid drafts (fail closed); one that has
     finished meanwhile gets an allow-all row (its output is discarded)."""
     valid = np.zeros(len(sched.deferred_req_ids), np.int32)
-    parts: list[np.ndarray] = []
+    jobs: list[tuple[Matcher, int, list[int]]] = []  # (matcher, first row, valid drafts)
+    allow_all: list[int] = []
+    cu = np.zeros(len(sched.deferred_req_ids) + 1, np.int32)
     for i, req_id in enumerate(sched.deferred_req_ids):
         req = requests.get(req_id)
         if req is None or req.finished or req.matcher is None:
-            parts.append(np.full((1, words), -1, np.int32))
+            allow_all.append(int(cu[i]))
+            cu[i + 1] = cu[i] + 1
             continue
         w = widths.get(req_id, 0)
         raw = req.last_drafts[:w].tolist() if req.last_drafts is not None else []
         v = req.matcher.validate(raw) if raw else 0
         req.metrics.num_grammar_invalid += len(raw) - v
-        block = np.empty((v + 1, words), np.int32)
-        req.matcher.fill_rows(block, 0, raw[:v])
-        parts.append(block)
+        jobs.append((req.matcher, int(cu[i]), raw[:v]))
         valid[i] = v
-    cu = np.zeros(len(parts) + 1, np.int32)
-    cu[1:] = np.cumsum([len(b) for b in parts])
+        cu[i + 1] = cu[i] + v + 1
+    bitmask = np.empty((int(cu[-1]), words), np.int32)
+    bitmask[allow_all] = -1
+    fill_rows_many(bitmask, jobs)
     return StepBitmask(
         step_id=sched.step_id,
         req_ids=list(sched.deferred_req_ids),
         num_valid_drafts=valid,
         cu_bitmask_rows=cu,
-        grammar_bitmask=np.concatenate(parts),
+        grammar_bitmask=bitmask,
     )

@@ -51,7 +51,7 @@ class ServeConfig:
     input_limits: InputLimits = dataclasses.field(default_factory=InputLimits)
     prep_threads: int = 4  # threads that check limits and compile grammars
     prep_processes: int = 2  # processes that render chat templates and tokenize
-    switch_interval_ms: float = 5.0  # sys.setswitchinterval: the engine and HTTP threads' GIL
+    switch_interval_ms: float = 0.5  # sys.setswitchinterval: the engine and HTTP threads' GIL
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -178,10 +178,10 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
     ap.add_argument(
         "--switch-interval-ms",
         type=float,
-        default=5.0,
+        default=0.5,
         help="how long a thread holding the GIL runs before a waiting one takes it (Python's "
-        "sys.setswitchinterval; its default is 5): the engine's thread, back from a socket "
-        "call, waits up to this long for the HTTP thread streaming tokens",
+        "sys.setswitchinterval; Python's default is 5): the engine's thread, back from a socket "
+        "or grammar call, waits up to this long for the HTTP thread streaming tokens",
     )
     add_limit_args(ap)
     add_engine_args(ap)

@@ -312,6 +312,50 @@ class LLGuidanceMatcher(RowMatcher):
                 self._m.rollback(consumed)
 
 
+_executor: llguidance.LLExecutor | None = None
+_executor_lock = threading.Lock()
+
+
+def _llg_executor() -> llguidance.LLExecutor:
+    """llguidance's thread pool (a thread a core), made on first use."""
+    global _executor
+    with _executor_lock:
+        if _executor is None:
+            _executor = llguidance.LLExecutor()
+        return _executor
+
+
+def fill_rows_many(bitmask: np.ndarray, jobs: list[tuple[Matcher, int, list[int]]]) -> None:
+    """``matcher.fill_rows(bitmask, start_row, drafts)`` for each job, the same rows. The live
+    llguidance matchers' masks are computed in two calls to llguidance's thread pool, which run
+    off the GIL: one at a time, 64 JSON requests' masks were a quarter of the engine thread at
+    batch 64 (docs/performance.md). Other matchers fill one by one. ``bitmask`` is one C-ordered
+    int32 array [rows, words]; the drafts must have passed ``validate``."""
+    plain: list[tuple[LLGuidanceMatcher, int]] = []
+    drafted: list[tuple[LLGuidanceMatcher, int, list[int]]] = []
+    for matcher, start, drafts in jobs:
+        if isinstance(matcher, LLGuidanceMatcher) and not matcher.terminated:
+            if drafts:
+                drafted.append((matcher, start, drafts))
+            else:
+                plain.append((matcher, start))
+        else:
+            matcher.fill_rows(bitmask, start, drafts)
+    if plain:
+        llguidance.numpy.fill_next_token_bitmask_par(
+            _llg_executor(), [(m._m, start) for m, start in plain], bitmask
+        )
+    if drafted:
+        llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(
+            _llg_executor(), [(m._m, start, drafts) for m, start, drafts in drafted], bitmask
+        )
+        for m, start, drafts in drafted:
+            # a valid draft that ends the grammar is its last (``validate``): the row after it
+            # allows EOS only, as ``fill_rows`` writes it (llguidance's stopped mask differs)
+            if drafts[-1] in m._eos:
+                bitmask[start + len(drafts)] = m._eos_row
+
+
 class GrammarBackend(Protocol):
     name: str
 
