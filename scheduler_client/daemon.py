@@ -25,6 +25,7 @@ from protocol.options import add_log_args, parse_with_config, setup_logging
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.engine_args import add_engine_args, engine_config
 from scheduler_client.engine_loop import EngineLoop
+from scheduler_client.grammar import set_grammar_threads
 from scheduler_client.http.door import Door
 from scheduler_client.http.server import DoorLimits, DoorServer
 from scheduler_client.limits import InputLimits, add_limit_args, input_limits
@@ -51,6 +52,9 @@ class ServeConfig:
     input_limits: InputLimits = dataclasses.field(default_factory=InputLimits)
     prep_threads: int = 4  # threads that check limits and compile grammars
     prep_processes: int = 2  # processes that render chat templates and tokenize
+    grammar_threads: int | None = (
+        None  # None: grammar.grammar_threads (a quarter of the cores, 1-4)
+    )
     switch_interval_ms: float = 0.5  # sys.setswitchinterval: the engine and HTTP threads' GIL
     log_level: str = "INFO"
     log_format: str = "text"
@@ -75,6 +79,8 @@ class ServeConfig:
             raise ValueError("--prep-threads and --prep-processes must be >= 1")
         if self.data_parallel_size > 1 and self.engine.worker_addr:
             raise ValueError("--data-parallel-size launches its workers: drop --worker")
+        if self.grammar_threads is not None and not 0 <= self.grammar_threads <= 256:
+            raise ValueError("--grammar-threads must be between 0 and 256")
         if not 0 < self.switch_interval_ms <= 1000:
             raise ValueError("--switch-interval-ms must be > 0 and <= 1000")
         if self.log_format not in ("text", "json"):
@@ -176,6 +182,14 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         "the GIL, so threads would stall the engine)",
     )
     ap.add_argument(
+        "--grammar-threads",
+        type=int,
+        default=None,
+        help="threads of llguidance's pool that compute a step's grammar masks off the GIL "
+        "(default: a quarter of the cores, 1 to 4; 0: one request at a time on the engine's "
+        "thread)",
+    )
+    ap.add_argument(
         "--switch-interval-ms",
         type=float,
         default=0.5,
@@ -207,6 +221,7 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         input_limits=input_limits(a),
         prep_threads=a.prep_threads,
         prep_processes=a.prep_processes,
+        grammar_threads=a.grammar_threads,
         switch_interval_ms=a.switch_interval_ms,
         log_level=a.log_level,
         log_format=a.log_format,
@@ -222,6 +237,8 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     setup_logging(cfg.log_level, cfg.log_format)
     sys.setswitchinterval(cfg.switch_interval_ms / 1000)
+    if cfg.grammar_threads is not None:
+        set_grammar_threads(cfg.grammar_threads)
     where = (
         cfg.engine.worker_addr
         or f"{cfg.data_parallel_size} launched worker(s) ({cfg.engine.model})"

@@ -15,6 +15,7 @@ between tokens is bounded to ``MAX_JSON_WHITESPACE`` characters so a model canno
 from __future__ import annotations
 
 import json
+import os
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -314,23 +315,39 @@ class LLGuidanceMatcher(RowMatcher):
 
 _executor: llguidance.LLExecutor | None = None
 _executor_lock = threading.Lock()
+# threads of llguidance's pool for a step's masks; 0: one matcher at a time on the caller's thread
+grammar_threads = max(1, min(4, (os.cpu_count() or 1) // 4))
+
+
+def set_grammar_threads(n: int) -> None:
+    """``specd-scheduler --grammar-threads``: before the first step."""
+    global grammar_threads, _executor
+    if n < 0:
+        raise ValueError("--grammar-threads must be >= 0")
+    with _executor_lock:
+        grammar_threads, _executor = n, None
 
 
 def _llg_executor() -> llguidance.LLExecutor:
-    """llguidance's thread pool (a thread a core), made on first use."""
+    """llguidance's thread pool, made on first use."""
     global _executor
     with _executor_lock:
         if _executor is None:
-            _executor = llguidance.LLExecutor()
+            _executor = llguidance.LLExecutor(grammar_threads)
         return _executor
 
 
 def fill_rows_many(bitmask: np.ndarray, jobs: list[tuple[Matcher, int, list[int]]]) -> None:
     """``matcher.fill_rows(bitmask, start_row, drafts)`` for each job, the same rows. The live
-    llguidance matchers' masks are computed in two calls to llguidance's thread pool, which run
-    off the GIL: one at a time, 64 JSON requests' masks were a quarter of the engine thread at
-    batch 64 (docs/performance.md). Other matchers fill one by one. ``bitmask`` is one C-ordered
+    llguidance matchers' masks are computed in two calls to llguidance's thread pool
+    (``grammar_threads``), each releasing the GIL once: one at a time, every row released and
+    retook it, and beside the busy HTTP thread each retake waited up to the switch interval.
+    Other matchers fill one by one. ``bitmask`` is one C-ordered
     int32 array [rows, words]; the drafts must have passed ``validate``."""
+    if grammar_threads == 0:
+        for matcher, start, drafts in jobs:
+            matcher.fill_rows(bitmask, start, drafts)
+        return
     plain: list[tuple[LLGuidanceMatcher, int]] = []
     drafted: list[tuple[LLGuidanceMatcher, int, list[int]]] = []
     for matcher, start, drafts in jobs:

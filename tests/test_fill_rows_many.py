@@ -5,11 +5,13 @@ and past the grammar's end (the row after EOS), terminated matchers, and many jo
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from scheduler_client import grammar as grammar_mod
 from scheduler_client.grammar import Matcher, StructuredSpec, fill_rows_many, make_backend
 from scheduler_client.tokenizer import TokenizerInfo
 from tests.models import BYTE_VOCAB, EOS_ID
@@ -30,7 +32,16 @@ CASES = [
 ]
 
 
-def test_many_rows_equal_one_matcher_at_a_time(target_dir: Path) -> None:
+@pytest.fixture(params=[0, 1, 2], ids=lambda n: f"threads{n}")
+def threads(request: pytest.FixtureRequest) -> Iterator[int]:
+    """--grammar-threads: 0 fills one matcher at a time, 1 and 2 use llguidance's pool."""
+    before = grammar_mod.grammar_threads
+    grammar_mod.set_grammar_threads(request.param)
+    yield request.param
+    grammar_mod.set_grammar_threads(before)
+
+
+def test_many_rows_equal_one_matcher_at_a_time(target_dir: Path, threads: int) -> None:
     tok = TokenizerInfo(str(target_dir))
     grammar = make_backend("llguidance", tok.json_text, BYTE_VOCAB, (EOS_ID,))
     jobs: list[tuple[Matcher, int, list[int]]] = []
@@ -61,7 +72,7 @@ def test_many_rows_equal_one_matcher_at_a_time(target_dir: Path) -> None:
 
 
 @pytest.mark.parametrize("n", [1, 64])
-def test_many_live_json_matchers_in_one_call(target_dir: Path, n: int) -> None:
+def test_many_live_json_matchers_in_one_call(target_dir: Path, n: int, threads: int) -> None:
     tok = TokenizerInfo(str(target_dir))
     grammar = make_backend("llguidance", tok.json_text, BYTE_VOCAB, (EOS_ID,))
     spec, text = CASES[0]
