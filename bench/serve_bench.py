@@ -163,7 +163,7 @@ def served(
                 # a concurrency keeps arrivals coming without the low ones running for minutes
                 some = (
                     bodies[: max(16, a.requests_per_client * c)]
-                    if a.requests_per_client
+                    if a.requests_per_client and c
                     else bodies
                 )
                 results, wall, client_cpu = (

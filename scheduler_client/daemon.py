@@ -55,7 +55,8 @@ class ServeConfig:
     grammar_threads: int | None = (
         None  # None: grammar.grammar_threads (a quarter of the cores, 1-4)
     )
-    switch_interval_ms: float = 0.5  # sys.setswitchinterval: the engine and HTTP threads' GIL
+    stream_interval: int = 1  # output tokens a streamed chunk waits for (the first goes at once)
+    switch_interval_ms: float = 5.0  # sys.setswitchinterval: the engine and HTTP threads' GIL
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -81,6 +82,8 @@ class ServeConfig:
             raise ValueError("--data-parallel-size launches its workers: drop --worker")
         if self.grammar_threads is not None and not 0 <= self.grammar_threads <= 256:
             raise ValueError("--grammar-threads must be between 0 and 256")
+        if self.stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
         if not 0 < self.switch_interval_ms <= 1000:
             raise ValueError("--switch-interval-ms must be > 0 and <= 1000")
         if self.log_format not in ("text", "json"):
@@ -182,6 +185,14 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         "the GIL, so threads would stall the engine)",
     )
     ap.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="stream a request's text every N output tokens (SGLang's and vLLM's flag): the "
+        "first token goes at once, the rest in chunks of N and what is left at the end; fewer "
+        "writes a step for the HTTP thread at many streams",
+    )
+    ap.add_argument(
         "--grammar-threads",
         type=int,
         default=None,
@@ -192,9 +203,9 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
     ap.add_argument(
         "--switch-interval-ms",
         type=float,
-        default=0.5,
+        default=5.0,
         help="how long a thread holding the GIL runs before a waiting one takes it (Python's "
-        "sys.setswitchinterval; Python's default is 5): the engine's thread, back from a socket "
+        "sys.setswitchinterval, whose default this is): the engine's thread, back from a socket "
         "or grammar call, waits up to this long for the HTTP thread streaming tokens",
     )
     add_limit_args(ap)
@@ -221,6 +232,7 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         input_limits=input_limits(a),
         prep_threads=a.prep_threads,
         prep_processes=a.prep_processes,
+        stream_interval=a.stream_interval,
         grammar_threads=a.grammar_threads,
         switch_interval_ms=a.switch_interval_ms,
         log_level=a.log_level,
@@ -254,7 +266,8 @@ def main(argv: list[str] | None = None) -> int:
             log.error("no worker: %s", e)
             return EXIT_WORKER
         prep = stack.enter_context(contextlib.closing(preparer(cfg, engines[0])))
-        return serve(cfg, api_key, [EngineLoop(e, prep) for e in engines])
+        loops = [EngineLoop(e, prep, cfg.stream_interval) for e in engines]
+        return serve(cfg, api_key, loops)
 
 
 def preparer(cfg: ServeConfig, engine: Engine) -> Preparer:

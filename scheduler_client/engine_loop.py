@@ -77,9 +77,17 @@ class EngineLoop:
     """Runs ``engine`` on the thread that calls ``run``; ``submit``/``abort``/``drain`` are safe
     from any thread."""
 
-    def __init__(self, engine: Engine, prep: Preparer | None = None) -> None:
+    def __init__(
+        self, engine: Engine, prep: Preparer | None = None, stream_interval: int = 1
+    ) -> None:
+        if stream_interval < 1:
+            raise ValueError("--stream-interval must be >= 1")
         self.engine = engine
         self.prep = prep  # None: requests are prepared on the engine's thread (trusted callers)
+        # a stream's text is put every this many output tokens (the first token at once, what
+        # is held at the end before Done): SGLang's and vLLM's --stream-interval
+        self.stream_interval = stream_interval
+        self._held: dict[str, tuple[list[str], list[int]]] = {}  # req_id -> (text, [sent at])
         self._inbox: queue.SimpleQueue[tuple[str, Any, Stream | None]] = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         # req_id -> (its reader, its preparation) while it is prepared off this thread
@@ -244,8 +252,23 @@ class EngineLoop:
             stream.put(Refused(req.error or "the request was refused"))
             return
         stream.req_id = req.req_id
-        req.on_delta = lambda _r, text: stream.put(Delta(text))
         self._streams[req.req_id] = stream
+        if self.stream_interval == 1:
+            req.on_delta = lambda _r, text: stream.put(Delta(text))
+            return
+        held: tuple[list[str], list[int]] = ([], [-self.stream_interval])
+        self._held[req.req_id] = held
+
+        def on_delta(r: Request, text: str) -> None:
+            texts, sent = held
+            texts.append(text)
+            n = len(r.output_ids)
+            if n - sent[0] >= self.stream_interval:  # the first: sent[0] is -interval
+                sent[0] = n
+                stream.put(Delta("".join(texts)))
+                texts.clear()
+
+        req.on_delta = on_delta
 
     def _finish_streams(self) -> None:
         requests = self.engine.scheduler.requests
@@ -254,5 +277,8 @@ class EngineLoop:
             if req is None or not req.finished:
                 continue
             del self._streams[req_id]
+            texts, _ = self._held.pop(req_id, ([], []))
+            if texts:
+                stream.put(Delta("".join(texts)))
             stream.put(Done(req))
             self.engine.scheduler.release(req_id)

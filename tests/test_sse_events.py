@@ -1,10 +1,14 @@
 """The door's stream encoding: the middle events' template gives the bytes ``json.dumps`` would,
-and a reader that fell behind sends the queued tokens as one chunk, the end kept for after."""
+a reader that fell behind sends the queued tokens as one chunk, the end kept for after, and
+``--stream-interval N`` puts the first token at once, then every N (a real engine and worker)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -12,7 +16,8 @@ import pytest
 
 from protocol import SamplingParams
 from scheduler_client import openai_api as api
-from scheduler_client.engine_loop import Delta, Done, Stream
+from scheduler_client.engine import Engine
+from scheduler_client.engine_loop import Delta, Done, EngineLoop, Stream
 from scheduler_client.http.door import Events
 from scheduler_client.request import Request
 
@@ -46,3 +51,51 @@ def test_a_reader_behind_the_engine_reads_queued_deltas_as_one() -> None:
     assert merged == "bc"
     assert again == ""
     assert isinstance(held, Done)  # kept for next(), not lost behind the merge
+
+
+@pytest.fixture(scope="module")
+def engine_none(target_dir: Path) -> Iterator[Engine]:
+    from tests.test_scheduler_e2e import engine
+
+    eng = engine(target_dir, "none")  # one token a step
+    try:
+        yield eng
+    finally:
+        eng.close()
+
+
+def stream_once(eng: Engine, interval: int, max_tokens: int) -> tuple[list[str], Done]:
+    loop = EngineLoop(eng, stream_interval=interval)
+    thread = threading.Thread(target=loop.run, name="engine")
+    thread.start()
+    try:
+        s = loop.submit({"prompt": "the cat", "max_tokens": max_tokens, "ignore_eos": True})
+        texts: list[str] = []
+        while True:
+            event = s.get(timeout_s=120)
+            if isinstance(event, Delta):
+                texts.append(event.text)
+            else:
+                assert isinstance(event, Done), event
+                return texts, event
+    finally:
+        loop.drain(0)
+        thread.join(timeout=120)
+        assert not thread.is_alive()
+
+
+def test_stream_interval_puts_the_first_token_then_every_n(engine_none: Engine) -> None:
+    each, done1 = stream_once(engine_none, 1, 13)
+    assert len(each) == 13  # a Delta a token
+    by4, done4 = stream_once(engine_none, 4, 13)
+    assert done4.req.output_ids == done1.req.output_ids
+    assert "".join(by4) == "".join(each)
+    # tokens 1 | 2-5 | 6-9 | 10-13: the first at once, then every 4
+    assert by4 == [each[0], "".join(each[1:5]), "".join(each[5:9]), "".join(each[9:13])]
+    by5, _ = stream_once(engine_none, 5, 13)  # 1 | 2-6 | 7-11 | 12-13 held to the end
+    assert by5 == [each[0], "".join(each[1:6]), "".join(each[6:11]), "".join(each[11:13])]
+
+
+def test_a_stream_interval_below_1_is_refused(engine_none: Engine) -> None:
+    with pytest.raises(ValueError, match="--stream-interval must be >= 1"):
+        EngineLoop(engine_none, stream_interval=0)
