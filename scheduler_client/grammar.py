@@ -371,6 +371,9 @@ def fill_rows_many(bitmask: np.ndarray, jobs: list[tuple[Matcher, int, list[int]
             # allows EOS only, as ``fill_rows`` writes it (llguidance's stopped mask differs)
             if drafts[-1] in m._eos:
                 bitmask[start + len(drafts)] = m._eos_row
+    for m, start, drafts in [(m, start, []) for m, start in plain] + drafted:
+        if m._m.is_error():  # a limit hit in the pool: fill_rows names it (never a stale row)
+            m.fill_rows(bitmask, start, drafts)
 
 
 class GrammarBackend(Protocol):
