@@ -1,6 +1,7 @@
 """How many requests the paged KV cache serves at once, against the slot cache it replaced.
 
-    python bench/paged_capacity.py --max-model-len 8192 --slots 4 --requests 96 --json-out cap.json
+    python bench/paged_capacity.py --max-model-len 8192 --slots 4 --requests 96 \
+        --kv-watermarks 0 0.01 0.02 0.04 0.08 --json-out cap.json
 
 The slot cache held one slot of ``max_model_len`` tokens per request: the memory of ``--slots``
 slots served ``--slots`` requests, whatever their real lengths. Here the worker gets exactly that
@@ -8,8 +9,9 @@ memory as paged blocks (``--num-kv-blocks`` = slots x max_model_len / block size
 ``--max-num-seqs`` far above it, and the scheduler admits by free blocks (preempting, and later
 recomputing, when they run out). The workload's requests average about 1k tokens (prompt of
 ``--prompt-tokens`` +- a quarter, ``--output-tokens`` out, EOS ignored), all queued at once.
-Reported: running requests per step (mean over the steps while requests still wait, and peak),
-preemptions, and that every request got all its tokens. A launched worker and the scheduler are
+Reported, a row per ``--kv-watermarks`` value (the share of blocks a new request may not take):
+running requests per step (mean over the steps while requests still wait, and peak), preemptions,
+and that every request got all its tokens. A launched worker and the scheduler are
 real processes; the model is a small random-weight Llama on the CPU (the block accounting does not
 depend on the device or the model's width).
 """
@@ -60,13 +62,28 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=768)
     ap.add_argument("--output-tokens", type=int, default=256)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--kv-watermarks",
+        type=float,
+        nargs="+",
+        default=[SchedulerConfig.kv_watermark],
+        help="a row each: the share of blocks a new request may not take (0: to the last block)",
+    )
     ap.add_argument("--json-out", default=None)
     a = ap.parse_args()
     blocks = a.slots * a.max_model_len // a.block_size
-    rng = random.Random(a.seed)
     print(
         f"seed {a.seed}; {blocks} blocks of {a.block_size} = {a.slots} slots of {a.max_model_len}"
     )
+    rows = [run(a, blocks, w) for w in a.kv_watermarks]
+    if a.json_out:
+        with open(a.json_out, "w") as f:
+            json.dump({"args": vars(a), "rows": rows}, f, indent=1)
+
+
+def run(a: argparse.Namespace, blocks: int, watermark: float) -> dict[str, object]:
+    """One row: the workload (the same for every watermark: one seed) through a fresh worker."""
+    rng = random.Random(a.seed)
     worker_args = ("--load-format", "dummy", "--num-kv-blocks", str(blocks))
     worker_args += ("--kv-block-size", str(a.block_size))
     with tempfile.TemporaryDirectory(prefix="specd-cap-") as tmp:
@@ -78,7 +95,7 @@ def main() -> None:
             max_model_len=a.max_model_len,
             worker_max_num_seqs=a.max_num_seqs,
             worker_args=worker_args,
-            scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs),
+            scheduler=SchedulerConfig(max_num_seqs=a.max_num_seqs, kv_watermark=watermark),
             worker_log=os.devnull,
         )
         with Engine(cfg) as engine:
@@ -106,6 +123,7 @@ def main() -> None:
             preemptions = sch.num_preemptions
     mean = sum(running) / max(len(running), 1)
     row = {
+        "kv_watermark": watermark,
         "max_model_len": a.max_model_len,
         "kv_blocks": blocks,
         "block_size": a.block_size,
@@ -119,10 +137,8 @@ def main() -> None:
         "over_slot_cache": round(mean / a.slots, 2),
         "wall_s": round(wall, 1),
     }
-    print(json.dumps(row))
-    if a.json_out:
-        with open(a.json_out, "w") as f:
-            json.dump({"args": vars(a), "row": row}, f, indent=1)
+    print(json.dumps(row), flush=True)
+    return row
 
 
 if __name__ == "__main__":

@@ -49,6 +49,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "the worker's, from its handshake); passed on to a launched worker; above a running "
         "worker's value the scheduler refuses to start",
     )
+    ap.add_argument(
+        "--kv-watermark",
+        type=float,
+        default=0.04,
+        help="the share of the worker's KV blocks a new request may not take when admitted "
+        "(vLLM's watermark): room for the running requests to grow before one is preempted "
+        "and recomputed",
+    )
     ap.add_argument("--grammar-backend", default="llguidance")
     ap.add_argument(
         "--no-forced-drafts",
@@ -123,5 +131,6 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             forced_drafts=not a.no_forced_drafts,
             async_scheduling=a.async_scheduling,
             adaptive_speculation=not a.no_adaptive_speculation,
+            kv_watermark=a.kv_watermark,
         ),
     )

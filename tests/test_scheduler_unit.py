@@ -167,3 +167,26 @@ def test_admission_and_preemption_by_kv_blocks_never_overcommit_the_worker() -> 
     for i in range(4):
         r = s.requests[f"r{i}"]
         assert r.error is None and r.output_ids == [7] * 12, r.req_id
+
+
+@pytest.mark.parametrize(("watermark", "second"), [(0.0, 60), (0.25, 20)])
+def test_a_new_request_leaves_the_kv_watermark_free(watermark: float, second: int) -> None:
+    """40 blocks of 4 tokens; three 100-token prompts. The first takes 25 blocks; the second
+    takes what is left but the watermark's share (10 blocks at 0.25): 15 blocks (60 tokens) at
+    0, 5 (20 tokens) at 0.25; the third waits. The running requests grow into the rest."""
+    limits = dataclasses.replace(LIMITS, max_model_len=256, num_kv_blocks=40, kv_block_size=4)
+    config = SchedulerConfig(
+        max_num_batched_tokens=512, adaptive_speculation=False, kv_watermark=watermark
+    )
+    s = Scheduler(config, limits, None, None)
+    for i in range(3):
+        s.add(Request(f"r{i}", [5] * 100, SamplingParams(max_tokens=4), 0))
+    out = s.schedule()
+    assert out is not None
+    assert out.req_ids == ["r0", "r1"]
+    assert out.num_scheduled_tokens.tolist() == [100, second]
+
+
+def test_a_kv_watermark_outside_0_to_1_is_refused() -> None:
+    with pytest.raises(ValueError, match="--kv-watermark must be >= 0 and < 1"):
+        SchedulerConfig(kv_watermark=1.0)
