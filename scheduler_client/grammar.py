@@ -342,8 +342,8 @@ def fill_rows_many(bitmask: np.ndarray, jobs: list[tuple[Matcher, int, list[int]
     llguidance matchers' masks are computed in two calls to llguidance's thread pool
     (``grammar_threads``), each releasing the GIL once: one at a time, every row released and
     retook it, and beside the busy HTTP thread each retake waited up to the switch interval.
-    Other matchers fill one by one. ``bitmask`` is one C-ordered
-    int32 array [rows, words]; the drafts must have passed ``validate``."""
+    Other matchers fill one by one. ``bitmask`` is one C-ordered int32 array [rows, words];
+    the drafts must have passed ``validate``."""
     if grammar_threads == 0:
         for matcher, start, drafts in jobs:
             matcher.fill_rows(bitmask, start, drafts)
