@@ -86,11 +86,13 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 900
 def profile(a: argparse.Namespace, pid: int, name: str) -> subprocess.Popen[bytes] | None:
     """--profile-scheduler S: py-spy samples the scheduler's threads for S seconds from the
     start of the phase (raw stacks into --log-dir, for a flame graph or a count by frame)."""
+    if not a.profile_scheduler or not a.log_dir:
+        return None
     dirs = [Path(sys.executable).parent] + [Path(d) / "bin" for d in sys.path]  # venv, --target
     spy = shutil.which("py-spy") or next(
         (str(d / "py-spy") for d in dirs if (d / "py-spy").exists()), None
     )
-    if not a.profile_scheduler or spy is None or not a.log_dir:
+    if spy is None:
         return None
     out = Path(a.log_dir) / f"pyspy-{name.replace('=', '')}.txt"  # c=64 -> c64
     cmd = [spy, "record", "-p", str(pid), "-d", str(a.profile_scheduler), "-r", "250"]

@@ -188,6 +188,11 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    """A scraped counter's growth over a phase."""
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
 def step_stats(
     wall_s: float,
     before: dict[str, float],
@@ -199,12 +204,9 @@ def step_stats(
     phase's wall time spent in them, (a worker's) mean requests a step, and the process's CPU
     ms a step (``cpu_s``: its CPU seconds over the phase, every thread). A CPU time a step near
     the wall time a step says the process is the bottleneck (a GIL runs one thread at a time)."""
-
-    def delta(name: str) -> float:
-        return after.get(prefix + name, 0.0) - before.get(prefix + name, 0.0)
-
-    steps, seconds = delta("step_seconds_count"), delta("step_seconds_sum")
-    batch = delta("batch_size_sum")
+    steps = delta(before, after, prefix + "step_seconds_count")
+    seconds = delta(before, after, prefix + "step_seconds_sum")
+    batch = delta(before, after, prefix + "batch_size_sum")
     return {
         "steps": int(steps),
         "step_ms": round(1000 * seconds / steps, 3) if steps else None,
@@ -226,12 +228,9 @@ def summarize(
         if r.ttft_s is not None and r.output_tokens > 1
     ]
 
-    def delta(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
-
-    drafted = delta("specd_scheduler_draft_tokens_total")
-    accepted = delta("specd_scheduler_accepted_tokens_total")
-    verifications = delta("specd_scheduler_drafts_total")
+    drafted = delta(before, after, "specd_scheduler_draft_tokens_total")
+    accepted = delta(before, after, "specd_scheduler_accepted_tokens_total")
+    verifications = delta(before, after, "specd_scheduler_drafts_total")
     errors = [r.error for r in results if r.error]
     return {
         "requests": len(results),

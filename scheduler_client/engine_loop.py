@@ -73,6 +73,29 @@ class Stream:
         return self.events.get(timeout=timeout_s)
 
 
+class _Held:
+    """``--stream-interval``: one stream's text since its last chunk. The first token is put at
+    once, then a chunk once ``interval`` more tokens have come; the rest before ``Done``."""
+
+    def __init__(self, interval: int) -> None:
+        self.interval = interval
+        self.texts: list[str] = []
+        self.sent_at: int | None = None  # output tokens when the last chunk was put
+
+    def add(self, text: str, num_output: int) -> str | None:
+        """The chunk to put now, if any."""
+        self.texts.append(text)
+        if self.sent_at is not None and num_output - self.sent_at < self.interval:
+            return None
+        self.sent_at = num_output
+        return self.take()
+
+    def take(self) -> str:
+        chunk = "".join(self.texts)
+        self.texts.clear()
+        return chunk
+
+
 class EngineLoop:
     """Runs ``engine`` on the thread that calls ``run``; ``submit``/``abort``/``drain`` are safe
     from any thread."""
@@ -87,7 +110,7 @@ class EngineLoop:
         # a stream's text is put every this many output tokens (the first token at once, what
         # is held at the end before Done): SGLang's and vLLM's --stream-interval
         self.stream_interval = stream_interval
-        self._held: dict[str, tuple[list[str], list[int]]] = {}  # req_id -> (text, [sent at])
+        self._held: dict[str, _Held] = {}  # req_id -> its text not yet put
         self._inbox: queue.SimpleQueue[tuple[str, Any, Stream | None]] = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
         # req_id -> (its reader, its preparation) while it is prepared off this thread
@@ -256,17 +279,11 @@ class EngineLoop:
         if self.stream_interval == 1:
             req.on_delta = lambda _r, text: stream.put(Delta(text))
             return
-        held: tuple[list[str], list[int]] = ([], [-self.stream_interval])
-        self._held[req.req_id] = held
+        held = self._held[req.req_id] = _Held(self.stream_interval)
 
         def on_delta(r: Request, text: str) -> None:
-            texts, sent = held
-            texts.append(text)
-            n = len(r.output_ids)
-            if n - sent[0] >= self.stream_interval:  # the first: sent[0] is -interval
-                sent[0] = n
-                stream.put(Delta("".join(texts)))
-                texts.clear()
+            if (chunk := held.add(text, len(r.output_ids))) is not None:
+                stream.put(Delta(chunk))
 
         req.on_delta = on_delta
 
@@ -277,8 +294,8 @@ class EngineLoop:
             if req is None or not req.finished:
                 continue
             del self._streams[req_id]
-            texts, _ = self._held.pop(req_id, ([], []))
-            if texts:
-                stream.put(Delta("".join(texts)))
+            held = self._held.pop(req_id, None)
+            if held is not None and held.texts:
+                stream.put(Delta(held.take()))
             stream.put(Done(req))
             self.engine.scheduler.release(req_id)

@@ -344,34 +344,25 @@ def fill_rows_many(bitmask: np.ndarray, jobs: list[tuple[Matcher, int, list[int]
     retook it, and beside the busy HTTP thread each retake waited up to the switch interval.
     Other matchers fill one by one. ``bitmask`` is one C-ordered int32 array [rows, words];
     the drafts must have passed ``validate``."""
-    if grammar_threads == 0:
-        for matcher, start, drafts in jobs:
-            matcher.fill_rows(bitmask, start, drafts)
-        return
-    plain: list[tuple[LLGuidanceMatcher, int]] = []
-    drafted: list[tuple[LLGuidanceMatcher, int, list[int]]] = []
+    pooled: list[tuple[LLGuidanceMatcher, int, list[int]]] = []
     for matcher, start, drafts in jobs:
-        if isinstance(matcher, LLGuidanceMatcher) and not matcher.terminated:
-            if drafts:
-                drafted.append((matcher, start, drafts))
-            else:
-                plain.append((matcher, start))
+        if grammar_threads and isinstance(matcher, LLGuidanceMatcher) and not matcher.terminated:
+            pooled.append((matcher, start, drafts))
         else:
             matcher.fill_rows(bitmask, start, drafts)
+    plain = [(m._m, start) for m, start, drafts in pooled if not drafts]
+    drafted = [(m._m, start, drafts) for m, start, drafts in pooled if drafts]
     if plain:
-        llguidance.numpy.fill_next_token_bitmask_par(
-            _llg_executor(), [(m._m, start) for m, start in plain], bitmask
-        )
+        llguidance.numpy.fill_next_token_bitmask_par(_llg_executor(), plain, bitmask)
     if drafted:
         llguidance.numpy.fill_next_token_bitmask_par_with_draft_tokens(
-            _llg_executor(), [(m._m, start, drafts) for m, start, drafts in drafted], bitmask
+            _llg_executor(), drafted, bitmask
         )
-        for m, start, drafts in drafted:
-            # a valid draft that ends the grammar is its last (``validate``): the row after it
-            # allows EOS only, as ``fill_rows`` writes it (llguidance's stopped mask differs)
-            if drafts[-1] in m._eos:
-                bitmask[start + len(drafts)] = m._eos_row
-    for m, start, drafts in [(m, start, []) for m, start in plain] + drafted:
+    for m, start, drafts in pooled:
+        # a valid draft that ends the grammar is its last (``validate``): the row after it
+        # allows EOS only, as ``fill_rows`` writes it (llguidance's stopped mask differs)
+        if drafts and drafts[-1] in m._eos:
+            bitmask[start + len(drafts)] = m._eos_row
         if m._m.is_error():  # a limit hit in the pool: fill_rows names it (never a stale row)
             m.fill_rows(bitmask, start, drafts)
 
