@@ -20,16 +20,21 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
+
+from prometheus_client import generate_latest
 
 from protocol.options import add_log_args, parse_with_config, setup_logging
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.engine_args import add_engine_args, engine_config
 from scheduler_client.engine_loop import EngineLoop
 from scheduler_client.grammar import set_grammar_threads
+from scheduler_client.http.api_server import ApiServerProcess
 from scheduler_client.http.door import Door
 from scheduler_client.http.server import DoorLimits, DoorServer
 from scheduler_client.limits import InputLimits, add_limit_args, input_limits
 from scheduler_client.prep import Preparer
+from scheduler_client.prom import merged_registry
 from scheduler_client.worker_client import HandshakeError, WorkerDied
 
 log = logging.getLogger("specd.scheduler")
@@ -57,6 +62,7 @@ class ServeConfig:
     )
     stream_interval: int = 1  # output tokens a streamed chunk waits for (the first goes at once)
     switch_interval_ms: float = 5.0  # sys.setswitchinterval: the engine and HTTP threads' GIL
+    api_server_count: int = 0  # 0: the HTTP door on a thread here; 1: in a process of its own
     log_level: str = "INFO"
     log_format: str = "text"
 
@@ -84,6 +90,11 @@ class ServeConfig:
             raise ValueError("--grammar-threads must be between 0 and 256")
         if self.stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
+        if self.api_server_count not in (0, 1):
+            raise ValueError(
+                "--api-server-count must be 0 (the HTTP door on a thread of the scheduler) or 1 "
+                "(in a process of its own); several HTTP processes are not supported"
+            )
         if not 0 < self.switch_interval_ms <= 1000:
             raise ValueError("--switch-interval-ms must be > 0 and <= 1000")
         if self.log_format not in ("text", "json"):
@@ -208,6 +219,14 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         "sys.setswitchinterval, whose default this is): the engine's thread, back from a socket "
         "or grammar call, waits up to this long for the HTTP thread streaming tokens",
     )
+    ap.add_argument(
+        "--api-server-count",
+        type=int,
+        default=0,
+        help="1: run the HTTP door (uvicorn, the SSE encoding, admission) in a process of its "
+        "own, as vLLM's API server, so the engine's thread has the scheduler's GIL to itself; "
+        "0: on a thread of the scheduler's process",
+    )
     add_limit_args(ap)
     add_engine_args(ap)
     add_log_args(ap)
@@ -235,6 +254,7 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
         stream_interval=a.stream_interval,
         grammar_threads=a.grammar_threads,
         switch_interval_ms=a.switch_interval_ms,
+        api_server_count=a.api_server_count,
         log_level=a.log_level,
         log_format=a.log_format,
     )
@@ -289,12 +309,64 @@ def worker_config(cfg: ServeConfig, index: int) -> EngineConfig:
     return dataclasses.replace(cfg.engine, worker_env=(("CUDA_VISIBLE_DEVICES", str(index)),))
 
 
-def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int:
-    """HTTP in one thread, engine loop 0 on this thread, the others on their own."""
+class _Front(Protocol):
+    failed: str | None
+
+    def start(self) -> tuple[str, int]: ...
+
+    def stop(self) -> None: ...
+
+
+class _DoorThread:
+    """The HTTP door on a thread of this process (``--api-server-count 0``)."""
+
+    failed: str | None = None
+
+    def __init__(self, door: Door, cfg: ServeConfig) -> None:
+        self.door = door
+        try:
+            self.server = DoorServer(door, cfg.host, cfg.port, cfg.limits)
+        except OSError as e:
+            raise OSError(f"cannot listen on {cfg.host}:{cfg.port}: {e}") from None
+
+    def start(self) -> tuple[str, int]:
+        self.server.start()
+        return self.server.address
+
+    def stop(self) -> None:
+        self.door.alive = False
+        self.server.stop()
+
+
+def front(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop], model: str) -> _Front:
+    """The HTTP door for ``loops``: on a thread here, or in its own process."""
     ready = loops[0].engine.ready
+    if cfg.api_server_count == 1:
+        return ApiServerProcess(
+            loops,
+            {
+                "host": cfg.host,
+                "port": cfg.port,
+                "model": model,
+                "max_model_len": ready.max_model_len,
+                "vocab_size": ready.vocab_size,
+                "api_key": api_key,
+                "max_request_bytes": cfg.max_request_bytes,
+                "max_active_requests": cfg.max_active_requests,
+                "limits": dataclasses.asdict(cfg.limits),
+                "log_level": cfg.log_level,
+                "log_format": cfg.log_format,
+            },
+        )
+    registry = merged_registry([lp.engine.prom.registry for lp in loops])
+
+    async def metrics() -> bytes:
+        return bytes(generate_latest(registry))
+
     door = Door(
         loops,
-        model=cfg.served_model_name or ready.model_name,
+        metrics=metrics,
+        model=model,
         max_model_len=ready.max_model_len,
         vocab_size=ready.vocab_size,
         api_key=api_key,
@@ -302,12 +374,19 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
         max_active_requests=cfg.max_active_requests,
         body_timeout_s=cfg.limits.body_timeout_s,
     )
+    return _DoorThread(door, cfg)
+
+
+def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int:
+    """HTTP in one thread (or process), engine loop 0 on this thread, the others on their own."""
+    ready = loops[0].engine.ready
+    model = cfg.served_model_name or ready.model_name
     try:
-        server = DoorServer(door, cfg.host, cfg.port, cfg.limits)
+        http = front(cfg, api_key, loops, model)
+        host, port = http.start()
     except OSError as e:
-        log.error("cannot listen on %s:%d: %s", cfg.host, cfg.port, e)
+        log.error("%s", e)
         return EXIT_CONFIG
-    server.start()
     errors: list[BaseException] = []
 
     def run_other(loop: EngineLoop) -> None:
@@ -331,12 +410,11 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    host, port = server.address
     log.info(
         "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s))",
         host,
         port,
-        door.model,
+        model,
         ready.drafter,
         ready.max_num_speculative_tokens,
         len(loops),
@@ -351,8 +429,10 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
         log.exception("fatal error in the scheduler loop")
         return EXIT_FATAL
     finally:
-        door.alive = False
-        server.stop()
+        http.stop()
+    if http.failed:
+        log.error("stopped: %s", http.failed)
+        return EXIT_FATAL
     if errors or any(lp.failed for lp in loops):
         return EXIT_FATAL
     log.info("drained; stopping the worker(s)")

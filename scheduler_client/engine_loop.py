@@ -18,7 +18,7 @@ import uuid
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from scheduler_client.engine import Engine
 from scheduler_client.prep import Preparer
@@ -36,24 +36,73 @@ class Delta:
 
 
 @dataclass(frozen=True)
+class Finished:
+    """What a reader needs of a finished request: plain values, so it can cross to the HTTP
+    process (``--api-server-count 1``) as they are."""
+
+    req_id: str
+    finish_reason: str | None
+    error: str | None
+    text: str
+    num_prompt_tokens: int
+    output_ids: list[int]
+    spec_decode: dict[str, Any]
+
+    @classmethod
+    def of(cls, req: Request) -> Finished:
+        return cls(
+            req.req_id,
+            req.finish_reason,
+            req.error,
+            req.text,
+            len(req.prompt_ids),
+            list(req.output_ids),
+            req.metrics.summary(),
+        )
+
+
+@dataclass(frozen=True)
 class Done:
-    req: Request
+    result: Finished
 
 
 @dataclass(frozen=True)
 class Refused:
-    """The request never ran: ``message`` says why (a bad schema, a prompt too long, ...)."""
+    """The request never ran: ``message`` says why (a bad schema, a prompt too long, ...);
+    ``status`` is the HTTP status it earns (503: the scheduler is going away, retry later)."""
 
     message: str
+    status: int = 400
 
+
+SHUTTING_DOWN = "the scheduler is shutting down"
 
 Event = Delta | Done | Refused
+
+
+class LoopHandle(Protocol):
+    """What readers and the HTTP door use of an engine loop: an ``EngineLoop`` in this process,
+    or its stand-in in the HTTP process (``http/front.py``)."""
+
+    @property
+    def draining(self) -> bool: ...
+
+    @property
+    def failed(self) -> str | None: ...
+
+    def submit(
+        self, request: dict[str, Any], waker: Callable[[], None] | None = None
+    ) -> Stream: ...
+
+    def abort(self, req_id: str) -> None: ...
+
+    def health(self) -> str: ...
 
 
 class Stream:
     """What one request's reader sees: ``Delta`` events, then exactly one ``Done`` or ``Refused``."""
 
-    def __init__(self, loop: EngineLoop, waker: Callable[[], None] | None = None) -> None:
+    def __init__(self, loop: LoopHandle, waker: Callable[[], None] | None = None) -> None:
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.req_id: str | None = None
         self.loop = loop  # the engine that runs it
@@ -101,7 +150,11 @@ class EngineLoop:
     from any thread."""
 
     def __init__(
-        self, engine: Engine, prep: Preparer | None = None, stream_interval: int = 1
+        self,
+        engine: Engine,
+        prep: Preparer | None = None,
+        stream_interval: int = 1,
+        after_step: Callable[[], None] | None = None,
     ) -> None:
         if stream_interval < 1:
             raise ValueError("--stream-interval must be >= 1")
@@ -118,12 +171,18 @@ class EngineLoop:
         self._drain_deadline: float | None = None
         self.draining = False
         self.failed: str | None = None  # set when the worker is gone for good
+        # called on the engine's thread after each pass of ``run`` (and as it ends), once the
+        # pass's events are put: the HTTP process's link sends them there as one message
+        self.after_step = after_step
 
     # -- any thread -----------------------------------------------------------------------------
     def submit(self, request: dict[str, Any], waker: Callable[[], None] | None = None) -> Stream:
         """Queue ``request`` (keyword arguments of ``Engine.add_request``); ``waker`` is called
         after each event of its stream is queued (an asyncio reader's wake-up)."""
-        stream = Stream(self, waker)
+        return self.submit_stream(request, Stream(self, waker))
+
+    def submit_stream(self, request: dict[str, Any], stream: Stream) -> Stream:
+        """``submit`` with the reader's ``stream`` made by the caller."""
         request = dict(request)
         request.setdefault("req_id", f"req-{uuid.uuid4().hex}")
         stream.req_id = request["req_id"]  # known at once, so an abort can name it
@@ -156,8 +215,17 @@ class EngineLoop:
     # -- the engine's thread --------------------------------------------------------------------
     def run(self) -> None:
         """Step until drained (or the worker is lost for good)."""
+        try:
+            self._run()
+        finally:
+            if self.after_step is not None:
+                self.after_step()
+
+    def _run(self) -> None:
         scheduler = self.engine.scheduler
         while True:
+            if self.after_step is not None:
+                self.after_step()
             busy = scheduler.has_work()
             self._take_inbox(block=not busy)
             if self.draining:
@@ -167,7 +235,9 @@ class EngineLoop:
                 if time.monotonic() > self._drain_deadline:
                     for req_id in list(self._streams):
                         scheduler.abort(req_id)
-                    self._refuse_preparing("the scheduler shut down before the request started")
+                    self._refuse_preparing(
+                        "the scheduler shut down before the request started", 503
+                    )
             if scheduler.has_work():
                 try:
                     self.engine.step()
@@ -175,7 +245,7 @@ class EngineLoop:
                     self.failed = str(e)
                     log.error("worker lost for good: %s", e)
                     self._finish_streams()
-                    self._refuse_preparing(f"worker lost: {e}")
+                    self._refuse_preparing(f"worker lost: {e}", 503)
                     return
                 except Exception as e:
                     # Our bug or the worker's: every reader hears it before the process ends.
@@ -183,7 +253,7 @@ class EngineLoop:
                     for req_id in list(self._streams):
                         scheduler.fail(req_id, f"the scheduler failed: {e!r}")
                     self._finish_streams()
-                    self._refuse_preparing(f"the scheduler failed: {e!r}")
+                    self._refuse_preparing(f"the scheduler failed: {e!r}", 500)
                     raise
             self._finish_streams()
 
@@ -220,7 +290,7 @@ class EngineLoop:
 
     def _add(self, request: dict[str, Any], stream: Stream) -> None:
         if self.draining:
-            stream.put(Refused("the scheduler is shutting down"))
+            stream.put(Refused(SHUTTING_DOWN, 503))
             return
         if self.prep is None:
             self._start(request, stream)
@@ -252,10 +322,10 @@ class EngineLoop:
             return
         self._start(request, stream)
 
-    def _refuse_preparing(self, message: str) -> None:
+    def _refuse_preparing(self, message: str, status: int = 400) -> None:
         for stream, future in self._preparing.values():
             future.cancel()
-            stream.put(Refused(message))
+            stream.put(Refused(message, status))
         self._preparing.clear()
 
     def _start(self, request: dict[str, Any], stream: Stream) -> None:
@@ -297,5 +367,5 @@ class EngineLoop:
             held = self._held.pop(req_id, None)
             if held is not None and held.texts:
                 stream.put(Delta(held.take()))
-            stream.put(Done(req))
+            stream.put(Done(Finished.of(req)))
             self.engine.scheduler.release(req_id)

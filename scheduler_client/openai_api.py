@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
+from scheduler_client.engine_loop import Finished
 from scheduler_client.http import models as m
 from scheduler_client.http.errors import ApiError, from_validation
-from scheduler_client.request import Request
 
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "suffix", "tools", "functions")
 GUIDED = (
@@ -161,13 +161,13 @@ def _message(i: int, msg: m.Message) -> dict[str, str]:
     return {"role": msg.role, "content": content or ""}
 
 
-def usage(req: Request) -> dict[str, int]:
+def usage(req: Finished) -> dict[str, int]:
     n_out = len(req.output_ids)
-    n_in = len(req.prompt_ids)
+    n_in = req.num_prompt_tokens
     return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
 
-def response(req: Request, *, chat: bool, model: str, created: int) -> dict[str, Any]:
+def response(req: Finished, *, chat: bool, model: str, created: int) -> dict[str, Any]:
     choice: dict[str, Any] = {"index": 0, "finish_reason": req.finish_reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": req.text}
@@ -180,7 +180,7 @@ def response(req: Request, *, chat: bool, model: str, created: int) -> dict[str,
         "model": model,
         "choices": [choice],
         "usage": usage(req),
-        "spec_decode": req.metrics.summary(),
+        "spec_decode": req.spec_decode,
     }
 
 

@@ -26,7 +26,7 @@ from tests import hostile
 from tests.daemons import log_messages, wait_until
 from tests.models import save_byte_model
 from tests.procs import reap
-from tests.test_scheduler_daemon import KEY, Daemon, start_daemon
+from tests.test_scheduler_daemon import HTTP_MODES, KEY, Daemon, start_daemon
 
 VOCAB = 256 + 3  # the byte model's vocabulary (worker.byte_tokenizer)
 LONG = {"prompt": "go", "max_tokens": 350, "ignore_eos": True, "temperature": 0}
@@ -37,9 +37,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_byte_model("llama", 31, tmp_path_factory.mktemp("target"))
 
 
-@pytest.fixture(scope="module")
-def door(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("door"), model)
+@pytest.fixture(scope="module", params=list(HTTP_MODES))
+def door(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model: Path
+) -> Iterator[Daemon]:
+    d = start_daemon(tmp_path_factory.mktemp("door"), model, *HTTP_MODES[request.param])
     try:
         yield d
     finally:
@@ -298,13 +300,15 @@ def test_a_non_streaming_client_that_leaves_aborts_its_request(door: Daemon) -> 
     assert any(m.startswith("client left; aborted cmpl-") for m in log_messages(door.log))
 
 
-@pytest.fixture(scope="module")
-def strict(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Daemon]:
+@pytest.fixture(scope="module", params=list(HTTP_MODES))
+def strict(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model: Path
+) -> Iterator[Daemon]:
     """5 s client timeouts, 4 requests at a time, long keep-alive, a 3 s drain."""
     d = start_daemon(
         tmp_path_factory.mktemp("strict"), model,
         "--max-active-requests", "4", "--header-timeout", "5", "--body-timeout", "5",
-        "--keep-alive-timeout", "60", "--drain-timeout", "3",
+        "--keep-alive-timeout", "60", "--drain-timeout", "3", *HTTP_MODES[request.param],
     )  # fmt: skip
     try:
         yield d

@@ -129,7 +129,7 @@ def test_abort_during_preparation_ends_the_request_and_the_engine_goes_on(
     while not events or not isinstance(events[-1], Done | Refused):
         events.append(ok.get(timeout_s=120))
     done = events[-1]
-    assert isinstance(done, Done) and len(done.req.output_ids) == 4, done
+    assert isinstance(done, Done) and len(done.result.output_ids) == 4, done
     with pytest.raises(queue.Empty):  # the aborted request says nothing more
         big.get(timeout_s=0.1)
 
@@ -145,7 +145,7 @@ def test_preparation_errors_refuse_only_that_request(loop: EngineLoop) -> None:
     last = ok.get(timeout_s=120)
     while not isinstance(last, Done | Refused):
         last = ok.get(timeout_s=120)
-    assert isinstance(last, Done) and len(last.req.output_ids) == 3
+    assert isinstance(last, Done) and len(last.result.output_ids) == 3
 
 
 # -- through a running daemon --------------------------------------------------------------------
@@ -213,5 +213,5 @@ def test_a_grammar_too_complex_for_llguidance_fails_naming_why(loop: EngineLoop)
     event = s.get(timeout_s=120)
     while not isinstance(event, Done | Refused):
         event = s.get(timeout_s=120)
-    assert isinstance(event, Done) and event.req.finish_reason == "error", event
-    assert "max is 2000" in (event.req.error or ""), event.req.error
+    assert isinstance(event, Done) and event.result.finish_reason == "error", event
+    assert "max is 2000" in (event.result.error or ""), event.result.error

@@ -29,6 +29,8 @@ from tests.procs import logged, reap
 from tests.test_scheduler_e2e import SCHEMAS
 
 KEY = "sk-test-0123"
+# the HTTP door on a thread of the scheduler, or in a process of its own: the same answers
+HTTP_MODES = {"thread": (), "process": ("--api-server-count", "1")}
 
 
 class Daemon:
@@ -147,9 +149,11 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_byte_model("llama", 31, tmp_path_factory.mktemp("target"))
 
 
-@pytest.fixture(scope="module")
-def daemon(tmp_path_factory: pytest.TempPathFactory, model: Path) -> Iterator[Daemon]:
-    d = start_daemon(tmp_path_factory.mktemp("sched"), model)
+@pytest.fixture(scope="module", params=list(HTTP_MODES))
+def daemon(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model: Path
+) -> Iterator[Daemon]:
+    d = start_daemon(tmp_path_factory.mktemp("sched"), model, *HTTP_MODES[request.param])
     try:
         yield d
     finally:
@@ -227,10 +231,13 @@ def test_bad_requests_get_clear_errors_and_others_keep_running(daemon: Daemon) -
     assert models["data"][0]["id"] == "tiny"
 
 
-def test_sigterm_drains_running_requests_then_exits_0(tmp_path: Path, model: Path) -> None:
+@pytest.mark.parametrize("mode", list(HTTP_MODES))
+def test_sigterm_drains_running_requests_then_exits_0(
+    tmp_path: Path, model: Path, mode: str
+) -> None:
     """SIGTERM once the request has streamed its first token: it runs on (300 tokens, seconds
     of work against the microseconds between that token and the signal) and ends whole."""
-    d = start_daemon(tmp_path, model, "--drain-timeout", "60")
+    d = start_daemon(tmp_path, model, "--drain-timeout", "60", *HTTP_MODES[mode])
     try:
         body = {
             "prompt": "go",
@@ -255,8 +262,11 @@ def test_sigterm_drains_running_requests_then_exits_0(tmp_path: Path, model: Pat
         reap(d.proc)
 
 
-def test_sigterm_aborts_what_outlives_the_drain_deadline(tmp_path: Path, model: Path) -> None:
-    d = start_daemon(tmp_path, model, "--drain-timeout", "0")
+@pytest.mark.parametrize("mode", list(HTTP_MODES))
+def test_sigterm_aborts_what_outlives_the_drain_deadline(
+    tmp_path: Path, model: Path, mode: str
+) -> None:
+    d = start_daemon(tmp_path, model, "--drain-timeout", "0", *HTTP_MODES[mode])
     try:
         body = {
             "prompt": "go",
@@ -325,9 +335,11 @@ def test_openai_bodies_become_engine_requests() -> None:
             engine_request(body, chat="messages" in body, max_model_len=9)
 
 
-def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path) -> None:
-    """The worker notices within a poll or two (0.2 s each); the limit is 10 s."""
-    d = start_daemon(tmp_path, model)
+@pytest.mark.parametrize("mode", list(HTTP_MODES))
+def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path, mode: str) -> None:
+    """The worker notices within a poll or two (0.2 s each); the limit is 10 s. So do the
+    tokenizer processes and the HTTP process."""
+    d = start_daemon(tmp_path, model, *HTTP_MODES[mode])
     worker = 0
     try:
         children = d.children()
@@ -335,6 +347,8 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path)
         worker = int(children[0])
         others = [int(p) for p in d.all_children() if int(p) != worker]
         assert others, "no tokenizer processes"  # prep.py's, which must not outlive it either
+        http = [p for p in others if b"http.api_server" in _cmdline(str(p))]
+        assert len(http) == (mode == "process"), others
         d.proc.kill()  # no drain, no Shutdown message: the worker must notice on its own
         d.proc.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -353,9 +367,33 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path)
                 os.kill(worker, signal.SIGKILL)
 
 
+def test_a_killed_http_process_stops_the_scheduler_with_exit_1(tmp_path: Path, model: Path) -> None:
+    """A running request is cut (its client's connection is gone with the HTTP process); the
+    scheduler drains at once, stops its worker and exits 1 for its supervisor to restart it."""
+    d = start_daemon(tmp_path, model, *HTTP_MODES["process"])
+    try:
+        (http,) = [p for p in d.all_children() if b"http.api_server" in _cmdline(p)]
+        worker = d.children()
+        resp, _first = d.stream_in_flight("/v1/completions", {"prompt": "go", "max_tokens": 300})
+        with resp:
+            os.kill(int(http), signal.SIGKILL)
+            assert d.proc.wait(timeout=60) == 1
+        assert "the HTTP process exited with -9" in d.log.read_text()
+        for pid in worker:
+            deadline = time.monotonic() + 10
+            while Path(f"/proc/{pid}").exists() and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert not Path(f"/proc/{pid}").exists(), "the worker outlived its scheduler"
+    finally:
+        reap(d.proc)
+
+
 @pytest.mark.long
-def test_data_parallel_spreads_requests_over_two_workers(tmp_path: Path, model: Path) -> None:
-    d = start_daemon(tmp_path, model, "--data-parallel-size", "2")
+@pytest.mark.parametrize("mode", list(HTTP_MODES))
+def test_data_parallel_spreads_requests_over_two_workers(
+    tmp_path: Path, model: Path, mode: str
+) -> None:
+    d = start_daemon(tmp_path, model, "--data-parallel-size", "2", *HTTP_MODES[mode])
     try:
         children = d.children()
         assert len(children) == 2, children

@@ -14,12 +14,10 @@ from typing import Any
 
 import pytest
 
-from protocol import SamplingParams
 from scheduler_client import openai_api as api
 from scheduler_client.engine import Engine
-from scheduler_client.engine_loop import Delta, Done, EngineLoop, Stream
+from scheduler_client.engine_loop import Delta, Done, EngineLoop, Finished, Stream
 from scheduler_client.http.door import Events
-from scheduler_client.request import Request
 
 
 @pytest.mark.parametrize("chat", [True, False])
@@ -36,9 +34,7 @@ def test_a_reader_behind_the_engine_reads_queued_deltas_as_one() -> None:
         door: Any = SimpleNamespace(wakeups=None, alive=True)
         events = Events(door)
         events.stream = Stream(loop=None)  # type: ignore[arg-type]
-        done = Done(
-            Request(req_id="r", prompt_ids=[1], sampling=SamplingParams(), num_speculative_tokens=0)
-        )
+        done = Done(Finished("r", "stop", None, "abc", 1, [5, 6, 7], {}))
         for e in [Delta("a"), Delta("b"), Delta("c"), done]:
             events.stream.events.put(e)
         first = await events.next()
@@ -88,7 +84,7 @@ def test_stream_interval_puts_the_first_token_then_every_n(engine_none: Engine) 
     each, done1 = stream_once(engine_none, 1, 13)
     assert len(each) == 13  # a Delta a token
     by4, done4 = stream_once(engine_none, 4, 13)
-    assert done4.req.output_ids == done1.req.output_ids
+    assert done4.result.output_ids == done1.result.output_ids
     assert "".join(by4) == "".join(each)
     # tokens 1 | 2-5 | 6-9 | 10-13: the first at once, then every 4
     assert by4 == [each[0], "".join(each[1:5]), "".join(each[5:9]), "".join(each[9:13])]

@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import msgspec
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
@@ -42,6 +42,13 @@ def json_response(status: int, obj: dict[str, Any], close: bool = False) -> Resp
     return Response(body, status, headers=headers, media_type="application/json")
 
 
+def refused(event: Refused) -> ApiError:
+    """A request the engine never ran: 400 for its own fault, 5xx when the scheduler is going
+    away or failed (retry elsewhere)."""
+    kind = "server_error" if event.status >= 500 else "invalid_request_error"
+    return ApiError(event.status, event.message, kind)
+
+
 def error_response(e: ApiError, close: bool = False) -> Response:
     """``close``: the request's body was not read, so its connection cannot carry another."""
     return json_response(e.status, e.body(), close=close)
@@ -54,7 +61,13 @@ def build_app(door: Door) -> Starlette:
         return json_response(200 if state == "ok" else 503, body)
 
     async def metrics(_request: Request) -> Response:
-        return Response(generate_latest(door.registry), media_type=CONTENT_TYPE_LATEST)
+        try:
+            text = await door.metrics()
+        except TimeoutError:
+            return error_response(
+                ApiError(503, "the engine did not answer in time", "server_error")
+            )
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     async def models(request: Request) -> Response:
         if (denied := _unauthorized(door, request)) is not None:
@@ -182,10 +195,10 @@ async def _complete(
                 return error_response(STOPPED)
             if isinstance(event, Refused):
                 door.release(events.stream)
-                return error_response(ApiError(400, event.message))
+                return error_response(refused(event))
             if isinstance(event, Done):
                 door.release(events.stream)
-                req = event.req
+                req = event.result
                 if req.finish_reason == "error":
                     return error_response(ApiError(500, req.error or "failed", "server_error"))
                 return json_response(
@@ -220,7 +233,7 @@ async def _stream(
     assert not isinstance(first, Gone)  # nothing watches a streamed request's disconnect
     if first is None or isinstance(first, Refused):  # nothing sent yet: a plain error answer
         door.release(events.stream)
-        return error_response(STOPPED if first is None else ApiError(400, first.message))
+        return error_response(STOPPED if first is None else refused(first))
     ended = False
 
     def sse(obj: dict[str, Any]) -> bytes:
@@ -252,7 +265,7 @@ async def _stream(
             elif isinstance(event, Done):
                 ended = True
                 door.release(events.stream)
-                req = event.req
+                req = event.result
                 if req.finish_reason == "error":
                     yield sse(ApiError(500, req.error or "failed", "server_error").body())
                 else:

@@ -14,10 +14,10 @@ import contextlib
 import logging
 import queue
 import threading
+from collections.abc import Awaitable, Callable, Sequence
 
-from scheduler_client.engine_loop import Delta, Done, EngineLoop, Event, Refused, Stream
+from scheduler_client.engine_loop import Delta, Done, Event, LoopHandle, Refused, Stream
 from scheduler_client.http.errors import ApiError
-from scheduler_client.prom import merged_registry
 
 log = logging.getLogger("specd.http")
 
@@ -37,8 +37,9 @@ class Door:
 
     def __init__(
         self,
-        loops: list[EngineLoop],
+        loops: Sequence[LoopHandle],
         *,
+        metrics: Callable[[], Awaitable[bytes]],
         model: str,
         max_model_len: int,
         vocab_size: int,
@@ -47,8 +48,8 @@ class Door:
         max_active_requests: int = 4096,
         body_timeout_s: float = 30.0,
     ) -> None:
-        self.loops = loops  # one per worker (data parallel); requests go to the least busy
-        self.registry = merged_registry([lp.engine.prom.registry for lp in loops])
+        self.loops = list(loops)  # one per worker (data parallel); requests go to the least busy
+        self.metrics = metrics  # the Prometheus text of every engine
         self.model = model
         self.max_model_len = max_model_len
         self.vocab_size = vocab_size
@@ -80,7 +81,7 @@ class Door:
     def num_admitted(self) -> int:
         return sum(self.admitted)
 
-    def admit(self) -> EngineLoop:
+    def admit(self) -> LoopHandle:
         """Count one request in and choose its engine (the one with the fewest admitted requests
         whose worker is still there), or refuse it (503). No ``await`` may come between the
         check and the increment: the counts are exact, where the loops' own lag behind."""
