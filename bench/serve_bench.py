@@ -23,6 +23,7 @@ largest concurrency: the plain-HF loop the no-drafts rows must beat.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import http.client
 import json
 import os
@@ -111,6 +112,16 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def http_process(sched_pid: int) -> int:
+    """The scheduler's HTTP process (``--api-server-count 1``), or 0."""
+    kids = subprocess.run(["pgrep", "-P", str(sched_pid)], capture_output=True, text=True)
+    for pid in kids.stdout.split():
+        with contextlib.suppress(FileNotFoundError):
+            if b"http.api_server" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    return 0
+
+
 def worker_cmd(a: argparse.Namespace, drafter: str, addr: str, metrics_port: int) -> list[str]:
     cmd = [sys.executable, "-m", "worker.daemon", "--model", a.model, "--listen", addr]
     cmd += ["--metrics-port", str(metrics_port)]
@@ -160,7 +171,8 @@ def served(
             for name, c in phases:
                 spy = profile(a, sched.pid, f"{drafter}-{mode}-{name}") if c == top else None
                 before, wbefore = scrape(port), scrape(wport, "specd_worker_")
-                cpu0 = cpu_seconds(sched.pid), cpu_seconds(worker.pid)
+                http = http_process(sched.pid)  # --api-server-count 1: the HTTP door's own
+                cpu0 = cpu_seconds(sched.pid), cpu_seconds(worker.pid), http and cpu_seconds(http)
                 # --requests-per-client: c clients send K requests each (at least 16 in all), so
                 # a concurrency keeps arrivals coming without the low ones running for minutes
                 some = (
@@ -176,6 +188,7 @@ def served(
                 row = {"path": "served", "drafter": drafter, "mode": mode, "load": name}
                 after, wafter = scrape(port), scrape(wport, "specd_worker_")
                 cpu = cpu_seconds(sched.pid) - cpu0[0], cpu_seconds(worker.pid) - cpu0[1]
+                http_cpu = (http and cpu_seconds(http)) - cpu0[2]
                 rows.append({**row, **summarize(results, wall, before, after)})
                 # where a step's time goes: the worker executing it (busy: its share of the
                 # wall), the scheduler's round trip (its own work and the sockets included), and
@@ -184,6 +197,8 @@ def served(
                 rows[-1]["scheduler"] = step_stats(wall, before, after, "specd_scheduler_", cpu[0])
                 steps = rows[-1]["worker"]["steps"]
                 rows[-1]["client_cpu_ms"] = round(1000 * client_cpu / steps, 3) if steps else None
+                if http:
+                    rows[-1]["http_cpu_ms"] = round(1000 * http_cpu / steps, 3) if steps else None
                 print(json.dumps(rows[-1]), flush=True)
                 if spy is not None:
                     spy.wait()
@@ -301,8 +316,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| path | drafter | mode | load | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
         "| acceptance | mean acc. len | errors | steps | wall ms/step | worker ms/step "
-        "| worker busy | batch | sched. CPU ms/step | client CPU ms/step |",
-        "|---|---|---|---|" + "---:|" * 15,
+        "| worker busy | batch | sched. CPU ms/step | HTTP proc. CPU ms/step | client CPU ms/step |",
+        "|---|---|---|---|" + "---:|" * 16,
     ]
     for r in rows:
         lines.append(
@@ -313,7 +328,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {st(r, 'worker', 'steps')} | {st(r, 'worker', 'wall_ms')} "
             f"| {st(r, 'worker', 'step_ms')} | {st(r, 'worker', 'busy')} "
             f"| {st(r, 'worker', 'batch')} | {st(r, 'scheduler', 'cpu_ms')} "
-            f"| {r.get('client_cpu_ms') or '-'} |"
+            f"| {r.get('http_cpu_ms') or '-'} | {r.get('client_cpu_ms') or '-'} |"
         )
     return "\n".join(lines)
 
