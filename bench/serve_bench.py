@@ -85,8 +85,8 @@ def wait_health(port: int, proc: subprocess.Popen[bytes], timeout_s: float = 900
 
 
 def profile(a: argparse.Namespace, pid: int, name: str) -> subprocess.Popen[bytes] | None:
-    """--profile-scheduler S: py-spy samples the scheduler's threads for S seconds from the
-    start of the phase (raw stacks into --log-dir, for a flame graph or a count by frame)."""
+    """--profile-scheduler S: py-spy samples the scheduler's (or the worker's) threads for S
+    seconds from the start of the phase (raw stacks into --log-dir, for a flame graph or a count by frame)."""
     if not a.profile_scheduler or not a.log_dir:
         return None
     dirs = [Path(sys.executable).parent] + [Path(d) / "bin" for d in sys.path]  # venv, --target
@@ -169,7 +169,14 @@ def served(
             phases: list[tuple[str, Any]] = [(f"c={c}", c) for c in a.concurrencies]
             phases += [(f"rate={a.rate}", None)] if a.rate else []
             for name, c in phases:
-                spy = profile(a, sched.pid, f"{drafter}-{mode}-{name}") if c == top else None
+                spies = (
+                    [
+                        profile(a, sched.pid, f"{drafter}-{mode}-{name}"),
+                        profile(a, worker.pid, f"worker-{drafter}-{mode}-{name}"),
+                    ]
+                    if c
+                    else []
+                )
                 before, wbefore = scrape(port), scrape(wport, "specd_worker_")
                 http = http_process(sched.pid)  # --api-server-count 1: the HTTP door's own
                 cpu0 = cpu_seconds(sched.pid), cpu_seconds(worker.pid), http and cpu_seconds(http)
@@ -200,8 +207,9 @@ def served(
                 if http:
                     rows[-1]["http_cpu_ms"] = round(1000 * http_cpu / steps, 3) if steps else None
                 print(json.dumps(rows[-1]), flush=True)
-                if spy is not None:
-                    spy.wait()
+                for spy in spies:
+                    if spy is not None:
+                        spy.wait()
         finally:
             for p in (sched, worker):
                 p.terminate()
@@ -387,7 +395,8 @@ def main() -> None:
         type=int,
         default=0,
         metavar="S",
-        help="py-spy the scheduler for S seconds at the top concurrency (needs --log-dir)",
+        help="py-spy the scheduler and the worker for S seconds at each concurrency (needs "
+        "--log-dir)",
     )
     ap.add_argument("--log-dir", default=None, help="keep the worker/scheduler logs here")
     ap.add_argument("--json-out", default=None)
