@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from protocol.messages import SchedulerOutput, StepBitmask
+from worker.host_copy import to_device
 from worker.sampling import apply_bitmask_
 from worker.step_batch import StepBatch
 
@@ -63,9 +64,7 @@ def apply_grammar(
     if not rows:
         return
     assert grammar_bitmask is not None
-    bitmask = torch.from_numpy(np.ascontiguousarray(grammar_bitmask[mask_rows]))
-    apply_bitmask_(
-        logits,
-        torch.tensor(rows, device=logits.device),
-        bitmask.to(logits.device, non_blocking=True),
-    )
+    # pinned copies: the forward is in flight here, and a pageable copy would wait for it
+    bitmask = grammar_bitmask[mask_rows]
+    device = logits.device
+    apply_bitmask_(logits, to_device(rows, device), to_device(bitmask, device, dtype=None))

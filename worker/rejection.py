@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker.host_copy import to_device
 from worker.sampling import probs_from_logits, sample_from
 
 
@@ -57,12 +58,8 @@ def pad_rows(x: torch.Tensor, cu_rows: list[int], width: int, fill: float) -> to
     b = len(cu_rows) - 1
     out = x.new_full((b, width, *x.shape[1:]), fill)
     lens = [cu_rows[i + 1] - cu_rows[i] for i in range(b)]
-    req = torch.repeat_interleave(
-        torch.arange(b, device=x.device), torch.tensor(lens, device=x.device)
-    )
-    col = (
-        torch.arange(x.shape[0], device=x.device) - torch.tensor(cu_rows[:-1], device=x.device)[req]
-    )
+    req = torch.repeat_interleave(torch.arange(b, device=x.device), to_device(lens, x.device))
+    col = torch.arange(x.shape[0], device=x.device) - to_device(cu_rows[:-1], x.device)[req]
     out[req, col] = x
     return out
 
@@ -71,7 +68,7 @@ def verify(inp: VerifyInput) -> VerifyOutput:
     b = len(inp.num_drafts)
     k = inp.draft_token_ids.shape[1]
     device = inp.logits.device
-    num_drafts = torch.tensor(inp.num_drafts, device=device)  # [B]
+    num_drafts = to_device(inp.num_drafts, device)  # [B]
     pos = torch.arange(k + 1, device=device)[None, :]  # [1, K+1]
     logits = pad_rows(inp.logits, inp.cu_rows, k + 1, 0.0)  # [B, K+1, V]
     vocab = logits.shape[-1]

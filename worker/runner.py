@@ -23,6 +23,7 @@ from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput,
 from worker.draft_tokens import DraftTokensHandler
 from worker.drafters.base import Drafter
 from worker.grammar_rows import apply_grammar, plan_deferred, plan_grammar
+from worker.host_copy import to_device
 from worker.model_executor import ModelExecutor
 from worker.rejection import VerifyInput, verify, verify_greedy
 from worker.requests import RequestStates, WorkerRequestError
@@ -197,10 +198,10 @@ class ModelRunner:
             num_drafts=[batch.num_drafts[i] for i in batch.sample_idx],
             draft_token_ids=batch.draft_token_ids,
             draft_probs=self._draft_probs(batch, sched),
-            temperature=torch.tensor([p.temperature for p in params], device=device),  # type: ignore[union-attr]
-            top_k=torch.tensor([p.top_k for p in params], device=device),  # type: ignore[union-attr]
-            top_p=torch.tensor([p.top_p for p in params], device=device),  # type: ignore[union-attr]
-            greedy=torch.tensor([p.temperature == 0 for p in params], device=device),  # type: ignore[union-attr]
+            temperature=to_device([p.temperature for p in params], device, torch.float32),  # type: ignore[union-attr]
+            top_k=to_device([p.top_k for p in params], device),  # type: ignore[union-attr]
+            top_p=to_device([p.top_p for p in params], device, torch.float32),  # type: ignore[union-attr]
+            greedy=to_device([p.temperature == 0 for p in params], device, torch.bool),  # type: ignore[union-attr]
             uniforms=uniforms,
             all_greedy=all(p.temperature == 0 for p in params),  # type: ignore[union-attr]
             filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),  # type: ignore[union-attr]
@@ -276,7 +277,7 @@ class ModelRunner:
         self.drafter.observe(
             np.asarray(slots, np.int64),
             np.asarray(positions, np.int64),
-            states[torch.tensor(rows, device=hidden.device)],
+            states[to_device(rows, hidden.device)],
         )
 
     def propose_drafts(self, batch: StepBatch, cap: int = -1) -> None:

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 
 from worker.drafters.base import Drafter, Proposal, choose_tokens
+from worker.host_copy import to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
 
@@ -85,11 +86,12 @@ class DraftModelDrafter(Drafter):
         # draft as id 0: its drafts may be worse there, never wrong (the target verifies them).
         ids_np = np.concatenate(ids).astype(np.int64)
         ids_np[ids_np >= ex.vocab_size] = 0
-        input_ids = torch.from_numpy(ids_np).to(device)
-        positions = torch.from_numpy(
-            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
-        ).to(device)
-        last = torch.tensor(np.cumsum(counts) - 1, device=device)
+        input_ids = to_device(ids_np, device)
+        positions = to_device(
+            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]),
+            device,
+        )
+        last = to_device(np.cumsum(counts) - 1, device)
         logits, _ = ex.forward(input_ids, positions, step_slots, starts, counts, last)
         for slot in step_slots:
             self.num_computed[slot] = int(states.num_tokens[slot])
@@ -106,7 +108,7 @@ class DraftModelDrafter(Drafter):
                 self.num_computed[s] += 1
             logits, _ = ex.forward(
                 tokens[still],
-                torch.tensor(starts, device=device),
+                to_device(starts, device),
                 step_slots,
                 starts,
                 [1] * len(step_slots),
@@ -132,7 +134,7 @@ class DraftModelDrafter(Drafter):
     ) -> torch.Tensor:
         """Choose draft j for each row: argmax for greedy requests, a sample from q otherwise."""
         picked, q = choose_tokens(states, slots, logits)
-        idx = torch.tensor(rows, device=logits.device)
+        idx = to_device(rows, logits.device)
         if probs is not None and q is not None:
             probs[idx, j, : q.shape[1]] = q  # [N, draft vocab] into [N, target vocab]
         out[idx, j] = picked

@@ -17,6 +17,7 @@ import torch
 from worker.attention import ATTN_IMPLEMENTATION, build_metadata
 from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.eagle_head import EagleHead
+from worker.host_copy import to_device
 from worker.kv_cache import KVCache
 from worker.paged_kernel import use_kernel
 from worker.requests import RequestStates
@@ -156,13 +157,11 @@ class EagleDrafter(Drafter):
             feat_slot.extend([slot] * (length - 1 - start))
             feat_pos.extend(range(start, length - 1))
             self.num_computed[slot] = length - 1
-        next_tokens = torch.from_numpy(np.concatenate(tok_idx).astype(np.int64)).to(device)
-        feats = self.features[
-            torch.tensor(feat_slot, device=device), torch.tensor(feat_pos, device=device)
-        ]  # [T, H]
-        last = torch.tensor(np.cumsum(counts) - 1, device=device)
+        next_tokens = to_device(np.concatenate(tok_idx).astype(np.int64), device)
+        feats = self.features[to_device(feat_slot, device), to_device(feat_pos, device)]  # [T, H]
+        last = to_device(np.cumsum(counts) - 1, device)
         hidden = self._run(run_slots, starts, counts, self.embed(next_tokens), feats, last)
-        rows = torch.tensor(active, device=device)
+        rows = to_device(active, device)
         positions = [int(states.num_tokens[s]) - 1 for s in run_slots]
         for j in range(kmax):
             logits = self.lm_head(hidden).float()[:, : self.vocab_size]  # [A, V]
@@ -174,7 +173,7 @@ class EagleDrafter(Drafter):
             keep = [n for n, i in enumerate(active) if widths[i] > j + 1]
             if not keep:
                 break
-            idx = torch.tensor(keep, device=device)
+            idx = to_device(keep, device)
             active = [active[n] for n in keep]
             run_slots = [run_slots[n] for n in keep]
             positions = [positions[n] + (1 if j else 0) for n in keep]

@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from worker.drafters.base import Drafter, Proposal, choose_tokens
+from worker.host_copy import to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
 from worker.spec_utils import get_parallel_drafting_token_id
@@ -89,20 +90,21 @@ class ParallelDrafter(Drafter):
         # draft as id 0: its drafts may be worse there, never wrong (the target verifies them).
         ids_np = np.concatenate(ids).astype(np.int64)
         ids_np[ids_np >= ex.vocab_size] = 0
-        input_ids = torch.from_numpy(ids_np).to(device)
-        positions = torch.from_numpy(
-            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
-        ).to(device)
+        input_ids = to_device(ids_np, device)
+        positions = to_device(
+            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]),
+            device,
+        )
         step_slots = [slots[i] for i in active]
         logits, _ = ex.forward(
-            input_ids, positions, step_slots, starts, counts, torch.tensor(rows, device=device)
+            input_ids, positions, step_slots, starts, counts, to_device(rows, device)
         )  # [sum of k over active, vocab]
         self.num_forwards += 1
         # row r of logits belongs to the request that owns it: one choice for the whole batch
         owners = [i for i in active for _ in range(widths[i])]
         tokens, q = choose_tokens(states, [slots[i] for i in owners], logits)
         cols = [c for i in active for c in range(widths[i])]
-        idx = (torch.tensor(owners, device=device), torch.tensor(cols, device=device))
+        idx = (to_device(owners, device), to_device(cols, device))
         out[idx] = tokens
         if probs is not None and q is not None:
             probs[idx[0], idx[1], : q.shape[1]] = q  # draft vocab into the target's
