@@ -29,10 +29,12 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -101,6 +103,32 @@ def profile(a: argparse.Namespace, pid: int, name: str) -> subprocess.Popen[byte
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
 
 
+def kernel_profile(a: argparse.Namespace, pid: int, name: str) -> threading.Thread | None:
+    """--profile-scheduler S: the worker's kernels over S seconds from the phase's start
+    (worker.step_profiler; SIGUSR1 starts and stops it), kept as LOG_DIR/kernels-NAME.txt."""
+    if not a.profile_scheduler or not a.log_dir:
+        return None
+    out = Path(a.log_dir) / f"kernels-{name.replace('=', '')}.txt"
+
+    def run() -> None:
+        before = set(Path(a.log_dir).glob("worker-profile-*.txt"))
+        os.kill(pid, signal.SIGUSR1)
+        time.sleep(a.profile_scheduler)
+        os.kill(pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            new = set(Path(a.log_dir).glob("worker-profile-*.txt")) - before
+            if new:
+                time.sleep(0.5)  # written in one go, but let it finish
+                new.pop().rename(out)
+                return
+            time.sleep(0.2)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
 def client_procs(a: argparse.Namespace, c: int) -> int:
     """--client-procs, or by default one client process per 16 streams (at most 8)."""
     return a.client_procs or max(1, min(8, c // 16))
@@ -151,7 +179,10 @@ def served(
         log = open(os.path.join(a.log_dir or tmp, f"serve-{drafter}-{mode}.log"), "ab")  # noqa: SIM115
         sched_log = Path(a.log_dir or tmp) / f"serve-{drafter}-{mode}-scheduler.log"
         wport = free_port()  # the worker's /metrics: its step times beside the scheduler's
-        worker = subprocess.Popen(worker_cmd(a, drafter, addr, wport), stderr=log)
+        env = dict(os.environ)
+        if a.profile_scheduler and a.log_dir:  # SIGUSR1 brackets a torch profile of its steps
+            env["SPECD_PROFILE_DIR"] = str(Path(a.log_dir).resolve())
+        worker = subprocess.Popen(worker_cmd(a, drafter, addr, wport), stderr=log, env=env)
         # --port 0: the scheduler binds a free port and names it in its "ready" line
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
@@ -176,6 +207,9 @@ def served(
                     ]
                     if c
                     else []
+                )
+                torch_profile = (
+                    kernel_profile(a, worker.pid, f"{drafter}-{mode}-{name}") if c else None
                 )
                 before, wbefore = scrape(port), scrape(wport, "specd_worker_")
                 http = http_process(sched.pid)  # --api-server-count 1: the HTTP door's own
@@ -210,6 +244,8 @@ def served(
                 for spy in spies:
                     if spy is not None:
                         spy.wait()
+                if torch_profile is not None:
+                    torch_profile.join()
         finally:
             for p in (sched, worker):
                 p.terminate()

@@ -13,3 +13,9 @@ def cache_dir() -> Path:
         return Path(explicit)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
     return Path(base) / "specd"
+
+
+def profile_dir() -> Path | None:
+    """``SPECD_PROFILE_DIR``: where SIGUSR1-bracketed step profiles go (worker.step_profiler)."""
+    explicit = os.environ.get("SPECD_PROFILE_DIR")
+    return Path(explicit) if explicit else None

@@ -42,11 +42,13 @@ from worker.drafters.draft_model import DraftModelDrafter
 from worker.drafters.eagle import EagleDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.drafters.parallel import ParallelDrafter
+from worker.env import profile_dir
 from worker.kv_cache import default_num_blocks
 from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor, kv_blocks_for_memory
 from worker.model_loader import eos_token_ids, load_model
 from worker.runner import ModelRunner, StepError
+from worker.step_profiler import StepProfiler
 from worker.tensor_parallel import shard_model
 from worker.tp_group import BroadcastRunner, follow
 
@@ -197,9 +199,13 @@ class WorkerLoop:
         self.last_step_id: int | None = None  # the last step executed since the handshake
         # (identity, message) received during a deferred-rows wait, handled after that step
         self.backlog: deque[tuple[bytes, object]] = deque()
+        out = profile_dir()
+        self.profiler = StepProfiler(out, runner.device) if out is not None else None
 
     def serve(self) -> int:
         while not self.stopping:
+            if self.profiler is not None:
+                self.profiler.poll(getattr(self.runner, "num_steps", 0))
             if self.backlog:  # messages that arrived while a step waited for its deferred rows
                 identity, queued = self.backlog.popleft()
                 if isinstance(queued, Shutdown):
