@@ -17,7 +17,7 @@ import torch
 
 
 def to_device(
-    values: np.ndarray | Sequence[int] | Sequence[float],
+    values: np.ndarray | Sequence[int] | Sequence[float] | Sequence[Sequence[int]],
     device: torch.device,
     dtype: torch.dtype | None = torch.long,
 ) -> torch.Tensor:

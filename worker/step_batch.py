@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from protocol.messages import SchedulerOutput
+from worker.host_copy import to_device
 from worker.requests import RequestStates
 
 
@@ -69,31 +70,42 @@ def build_step_batch(
     cu_rows = [0]
     flat = 0
     sched_off = 0
+    # plain lists and locals: this loop runs once a request a step on the worker's host path
+    sched_counts = sched.num_scheduled_tokens.tolist()
+    sched_widths = sched.num_draft_tokens.tolist()
+    sched_drafts = sched.draft_token_ids
+    caps = sched.draft_widths_are_caps
+    slot_of, token_ids = st.slot_of, st.token_ids
+    num_computed, num_tokens = st.num_computed, st.num_tokens
+    no_drafts = np.zeros(0, bool)
     for i, req_id in enumerate(sched.req_ids):
-        n = int(sched.num_scheduled_tokens[i])
-        w = int(sched.num_draft_tokens[i])
+        n, w = sched_counts[i], sched_widths[i]
         d_off, sched_off = sched_off, sched_off + w
         if req_id in skip:
             continue
-        slot = st.slot_of[req_id]
-        if (
-            sched.draft_widths_are_caps
-            and w > int(st.num_drafts[slot])
-            and (sched.draft_token_ids[d_off : d_off + w] < 0).all()
-        ):
-            # overlap: the width was chosen before the drafts existed; run the ones we have
-            # (a width with real ids in it was built from drafts the scheduler saw: exact)
-            n, w = n - w + int(st.num_drafts[slot]), int(st.num_drafts[slot])
-        c, length = int(st.num_computed[slot]), int(st.num_tokens[slot])
-        m = n - w
-        placeholders = sched.draft_token_ids[d_off : d_off + w] < 0
-        ids_np.append(st.token_ids[slot, c : c + m])
-        ids_np.append(np.where(placeholders, 0, sched.draft_token_ids[d_off : d_off + w]))
-        for k in np.flatnonzero(placeholders).tolist():
-            own_flat.append(flat + m + k)
-            own_slot.append(slot)
-            own_col.append(k)
-        own.append(placeholders)
+        slot = slot_of[req_id]
+        c, length = int(num_computed[slot]), int(num_tokens[slot])
+        if not w:
+            m = n
+            ids_np.append(token_ids[slot, c : c + m])
+            own.append(no_drafts)
+        else:
+            drafts_i = sched_drafts[d_off : d_off + w]
+            placeholders = drafts_i < 0
+            have = int(st.num_drafts[slot])
+            if caps and w > have and placeholders.all():
+                # overlap: the width was chosen before the drafts existed; run the ones we
+                # have (a width with real ids in it was built from drafts the scheduler saw)
+                n, w = n - w + have, have
+                drafts_i, placeholders = drafts_i[:w], placeholders[:w]
+            m = n - w
+            ids_np.append(token_ids[slot, c : c + m])
+            ids_np.append(np.where(placeholders, 0, drafts_i))
+            for k in np.flatnonzero(placeholders).tolist():
+                own_flat.append(flat + m + k)
+                own_slot.append(slot)
+                own_col.append(k)
+            own.append(placeholders)
         req_ids.append(req_id)
         slots.append(slot)
         starts.append(c)
@@ -104,35 +116,25 @@ def build_step_batch(
             logit_rows.extend(range(flat + m - 1, flat + n))
             cu_rows.append(cu_rows[-1] + w + 1)
         flat += n
-    input_ids = (
-        torch.from_numpy(np.concatenate(ids_np).astype(np.int64))
-        if ids_np
-        else torch.zeros(0, dtype=torch.long)
-    )
-    input_ids = input_ids.to(device, non_blocking=True)
+    input_ids = to_device(np.concatenate(ids_np) if ids_np else np.zeros(0, np.int64), device)
     if own_flat:
         # Drafts the worker kept on its device fill the placeholders (scheduler ids stay):
         # one index copy and one scatter for the whole batch.
-        idx = torch.from_numpy(np.array([own_flat, own_slot, own_col], np.int64)).to(
-            device, non_blocking=True
-        )  # [3, num_placeholders]
+        idx = to_device([own_flat, own_slot, own_col], device)  # [3, num_placeholders]
         input_ids[idx[0]] = st.draft_token_ids[idx[1], idx[2]]
-    positions = torch.from_numpy(
-        np.concatenate([np.arange(s, s + n) for s, n in zip(starts, counts, strict=True)])
-        if counts
-        else np.zeros(0, np.int64)
-    ).to(device, non_blocking=True)
+    # each request's positions start..start+n-1, laid flat: one arange less the offsets
+    counts_np = np.asarray(counts, np.int64)
+    ends = np.cumsum(counts_np)
+    shift = np.repeat(ends - counts_np - np.asarray(starts, np.int64), counts_np)
+    positions = to_device(np.arange(flat, dtype=np.int64) - shift, device)
     kmax = max((widths[i] for i in sample_idx), default=0)
     drafts = torch.zeros((len(sample_idx), max(kmax, 1)), dtype=torch.long, device=device)
     # [S, K] drafts of the sampling requests, gathered from the flat input in one go
-    ends = np.cumsum(counts)
     rows = [j for j, i in enumerate(sample_idx) for _ in range(widths[i])]
     cols = [c for i in sample_idx for c in range(widths[i])]
     src = [int(ends[i]) - widths[i] + c for i in sample_idx for c in range(widths[i])]
     if rows:
-        gather = torch.from_numpy(np.array([rows, cols, src], np.int64)).to(
-            device, non_blocking=True
-        )  # [3, num_drafts]
+        gather = to_device([rows, cols, src], device)  # [3, num_drafts]
         drafts[gather[0], gather[1]] = input_ids[gather[2]]
     return StepBatch(
         req_ids=req_ids,
@@ -143,7 +145,7 @@ def build_step_batch(
         num_scheduled=counts,
         num_drafts=widths,
         sample_idx=sample_idx,
-        logits_indices=torch.tensor(logit_rows, dtype=torch.long, device=device),
+        logits_indices=to_device(logit_rows, device),
         cu_rows=cu_rows,
         draft_token_ids=drafts,
         own_drafts=own,

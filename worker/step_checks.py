@@ -83,6 +83,9 @@ def _cu_rows(cu: np.ndarray, n: int, num_rows: int, field: str, fault: Fault) ->
         )
 
 
+_NO_INDEX = np.zeros(0, np.intp)  # a request without drafts has no placeholders
+
+
 def check_step(
     sched: SchedulerOutput,
     states: RequestStates,
@@ -176,8 +179,9 @@ def check_step(
     rows_of: dict[str, int] = {}  # req_id -> logit rows it samples (w + 1), for sampling requests
     greedy: dict[str, bool] = {}
     d_end = 0
+    counts_l, widths_l = counts.tolist(), widths.tolist()  # plain ints: a request a step
     for i, req_id in enumerate(sched.req_ids):
-        n, w = int(counts[i]), int(widths[i])
+        n, w = counts_l[i], widths_l[i]
         own, d_end = drafts[d_end : d_end + w], d_end + w
         if n < 1:
             raise fault(f"num_scheduled_tokens[{i}]", f"{n} tokens (at least 1)", req_id=req_id)
@@ -187,9 +191,10 @@ def check_step(
             continue
         if req_id in accepted:
             new = accepted[req_id]
+            is_running, slot = False, -1
             c, length, proposed = 0, len(new.prompt_token_ids), 0
             temperature = new.sampling.temperature
-        elif running(req_id):
+        elif is_running := running(req_id):
             slot = states.slot_of[req_id]
             c, length = int(states.num_computed[slot]), int(states.num_tokens[slot])
             proposed = int(states.num_drafts[slot])
@@ -209,7 +214,7 @@ def check_step(
                 "width_mismatch",
                 req_id,
             )
-        if sched.draft_widths_are_caps and w > proposed and (own < 0).all():
+        if w and sched.draft_widths_are_caps and w > proposed and (own < 0).all():
             n, w, own = n - w + proposed, proposed, own[:proposed]  # as build_step_batch does
         m = n - w
         if m < 1 or c + m > length:
@@ -225,7 +230,7 @@ def check_step(
                 f"request {req_id!r}: drafts scheduled during prefill",
                 req_id=req_id,
             )
-        placeholders = np.flatnonzero(own < 0)
+        placeholders = np.flatnonzero(own < 0) if w else _NO_INDEX
         if placeholders.size and int(placeholders[-1]) >= proposed:
             raise fault(
                 f"num_draft_tokens[{i}]",
@@ -242,11 +247,7 @@ def check_step(
                 req_id,
             )
         if blocks is not None:
-            grow += (
-                blocks.needed(states.slot_of[req_id], c + n)
-                if running(req_id)
-                else blocks.blocks_for(c + n)
-            )
+            grow += blocks.needed(slot, c + n) if is_running else blocks.blocks_for(c + n)
         if c + m == length:
             rows_of[req_id] = w + 1
             greedy[req_id] = temperature == 0
