@@ -68,8 +68,8 @@ class DraftTokensHandler:
         self._structured = structured.astype(bool)
         self._pending = True
         self._draft_np = None
-        if not self._structured.any():
-            return  # widths only: nothing crosses to the host
+        if not self._structured.any() or not self._num_drafts.any():
+            return  # widths only (or no drafts at all): nothing crosses to the host
         if self.copy_stream is None:
             self._draft_np = draft_tokens.to(torch.int32).numpy()
             return
