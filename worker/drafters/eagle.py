@@ -99,8 +99,7 @@ class EagleDrafter(Drafter):
     def observe(self, slots: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
         if not len(slots):
             return
-        s = torch.from_numpy(slots).to(self.device)
-        p = torch.from_numpy(positions).to(self.device)
+        s, p = to_device(slots, self.device), to_device(positions, self.device)
         self.features[s, p] = hidden.to(self.features.dtype)
         np.maximum.at(self.num_features, slots, positions + 1)
 
@@ -114,9 +113,10 @@ class EagleDrafter(Drafter):
         last_rows: torch.Tensor,
     ) -> torch.Tensor:
         """One head forward over a flat batch of pairs; the predicted hidden at ``last_rows``."""
-        positions = torch.from_numpy(
-            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)])
-        ).to(self.device)
+        positions = to_device(
+            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]),
+            self.device,
+        )
         self.kv_cache.allocate(slots, [s + c for s, c in zip(starts, counts, strict=True)])
         meta = build_metadata(self.kv_cache, slots, starts, counts, self.device, kernel=self.kernel)
         out = self.head(
