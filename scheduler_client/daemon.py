@@ -427,6 +427,10 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
             t.join()
     except Exception:
         log.exception("fatal error in the scheduler loop")
+        for lp in loops[1:]:  # ended before the door stops: it then owns their pipes alone
+            lp.drain(0.0)
+        for t in others:
+            t.join(timeout=30)
         return EXIT_FATAL
     finally:
         http.stop()

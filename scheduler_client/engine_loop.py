@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -171,6 +172,10 @@ class EngineLoop:
         self._drain_deadline: float | None = None
         self.draining = False
         self.failed: str | None = None  # set when the worker is gone for good
+        # set (under _ended_lock) when run has returned: a request submitted later, or left in
+        # the inbox then, is refused at once instead of waiting in an inbox nobody reads
+        self.ended = False
+        self._ended_lock = threading.Lock()
         # called on the engine's thread after each pass of ``run`` (and as it ends), once the
         # pass's events are put: the HTTP process's link sends them there as one message
         self.after_step = after_step
@@ -186,7 +191,13 @@ class EngineLoop:
         request = dict(request)
         request.setdefault("req_id", f"req-{uuid.uuid4().hex}")
         stream.req_id = request["req_id"]  # known at once, so an abort can name it
-        self._inbox.put(("add", request, stream))
+        with self._ended_lock:
+            if not self.ended:
+                self._inbox.put(("add", request, stream))
+                return stream
+        stream.put(Refused(self._gone_reason(), 503))
+        if self.after_step is not None:
+            self.after_step()  # this loop's thread has ended: nobody else sends its events
         return stream
 
     def abort(self, req_id: str) -> None:
@@ -218,8 +229,24 @@ class EngineLoop:
         try:
             self._run()
         finally:
+            with self._ended_lock:
+                self.ended = True
+            self._refuse_inbox()
             if self.after_step is not None:
                 self.after_step()
+
+    def _gone_reason(self) -> str:
+        return f"worker lost: {self.failed}" if self.failed else SHUTTING_DOWN
+
+    def _refuse_inbox(self) -> None:
+        """The requests still in the inbox once ``run`` has ended: each one refused (503)."""
+        while True:
+            try:
+                kind, _arg, stream = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add" and stream is not None:
+                stream.put(Refused(self._gone_reason(), 503))
 
     def _run(self) -> None:
         scheduler = self.engine.scheduler
@@ -271,10 +298,14 @@ class EngineLoop:
 
     def _apply(self, kind: str, arg: Any, stream: Stream | None) -> None:
         if kind == "drain":
+            deadline = time.monotonic() + float(arg)
             if not self.draining:
                 log.info("draining %d requests (deadline %.1f s)", len(self._streams), arg)
                 self.draining = True
-                self._drain_deadline = time.monotonic() + float(arg)
+                self._drain_deadline = deadline
+            elif self._drain_deadline is not None and deadline < self._drain_deadline:
+                log.info("draining: the deadline is now %.1f s away", arg)
+                self._drain_deadline = deadline  # a second, shorter drain cuts the first short
         elif kind == "abort":
             preparing = self._preparing.pop(arg, None)
             if preparing is None:

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -36,6 +37,7 @@ HTTP_MODES = {"thread": (), "process": ("--api-server-count", "1")}
 class Daemon:
     def __init__(self, proc: subprocess.Popen[bytes], port: int, log: Path) -> None:
         self.proc, self.port, self.log = proc, port, log
+        self.mode = "thread"  # the HTTP door's (HTTP_MODES)
 
     def request(
         self, path: str, body: dict[str, Any] | None = None, key: str | None = KEY
@@ -154,6 +156,7 @@ def daemon(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, model: Path
 ) -> Iterator[Daemon]:
     d = start_daemon(tmp_path_factory.mktemp("sched"), model, *HTTP_MODES[request.param])
+    d.mode = request.param
     try:
         yield d
     finally:
@@ -229,6 +232,25 @@ def test_bad_requests_get_clear_errors_and_others_keep_running(daemon: Daemon) -
     assert status == 200 and "specd_scheduler_requests_finished_total" in metrics
     status, models = daemon.call("/v1/models")
     assert models["data"][0]["id"] == "tiny"
+
+
+def test_a_schema_msgpack_cannot_carry_leaves_no_slot_behind(daemon: Daemon) -> None:
+    """An integer past 64 bits is valid JSON; the HTTP process cannot forward it to the engine
+    (400, naming why), and in either mode the request's admission slot is given back."""
+    body = {
+        "prompt": "x",
+        "max_tokens": 4,
+        "response_format": {
+            "type": "json_schema",
+            "json_schema": {"schema": {"type": "integer", "maximum": 10**30}},
+        },
+    }
+    for _ in range(3):
+        status, answer = daemon.call("/v1/completions", body)
+        assert status in (200, 400), answer
+        if daemon.mode == "process":
+            assert status == 400 and "cannot be passed to the engine" in str(answer), answer
+    assert daemon.call("/health", key=None) == (200, {"status": "ok", "active_requests": 0})
 
 
 @pytest.mark.parametrize("mode", list(HTTP_MODES))
@@ -339,6 +361,7 @@ def test_openai_bodies_become_engine_requests() -> None:
 def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path, mode: str) -> None:
     """The worker notices within a poll or two (0.2 s each); the limit is 10 s. So do the
     tokenizer processes and the HTTP process."""
+    before = set(Path(tempfile.gettempdir()).glob("specd-http-*"))
     d = start_daemon(tmp_path, model, *HTTP_MODES[mode])
     worker = 0
     try:
@@ -349,6 +372,8 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path,
         assert others, "no tokenizer processes"  # prep.py's, which must not outlive it either
         http = [p for p in others if b"http.api_server" in _cmdline(str(p))]
         assert len(http) == (mode == "process"), others
+        pipes = set(Path(tempfile.gettempdir()).glob("specd-http-*")) - before
+        assert len(pipes) == (mode == "process"), pipes
         d.proc.kill()  # no drain, no Shutdown message: the worker must notice on its own
         d.proc.wait(timeout=30)
         deadline = time.monotonic() + 10
@@ -359,6 +384,11 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path,
             gone = not status.exists() or "zombie" in status.read_text()
             assert gone, f"launched process {pid} outlived its scheduler"
         assert "is gone: stopping" in (tmp_path / "worker.log").read_text()
+        # the HTTP process removes the pipes' directory its killed scheduler could not
+        deadline = time.monotonic() + 10
+        while [p for p in pipes if p.exists()] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [p for p in pipes if p.exists()], pipes
     finally:
         reap(d.proc)
         if worker and Path(f"/proc/{worker}").exists():
@@ -367,17 +397,25 @@ def test_a_killed_scheduler_leaves_no_worker_behind(tmp_path: Path, model: Path,
                 os.kill(worker, signal.SIGKILL)
 
 
-def test_a_killed_http_process_stops_the_scheduler_with_exit_1(tmp_path: Path, model: Path) -> None:
+@pytest.mark.parametrize("draining", [False, True])
+def test_a_killed_http_process_stops_the_scheduler_with_exit_1(
+    tmp_path: Path, model: Path, draining: bool
+) -> None:
     """A running request is cut (its client's connection is gone with the HTTP process); the
-    scheduler drains at once, stops its worker and exits 1 for its supervisor to restart it."""
-    d = start_daemon(tmp_path, model, *HTTP_MODES["process"])
+    scheduler drains at once, stops its worker and exits 1 for its supervisor to restart it. So
+    it does in the middle of a long SIGTERM drain: the drain is cut short, not sat out."""
+    d = start_daemon(tmp_path, model, "--drain-timeout", "120", *HTTP_MODES["process"])
     try:
         (http,) = [p for p in d.all_children() if b"http.api_server" in _cmdline(p)]
         worker = d.children()
-        resp, _first = d.stream_in_flight("/v1/completions", {"prompt": "go", "max_tokens": 300})
+        body = {"prompt": "go", "max_tokens": 300, "ignore_eos": True}
+        resp, _first = d.stream_in_flight("/v1/completions", body)
         with resp:
+            if draining:
+                d.proc.send_signal(signal.SIGTERM)
+                logged(d.log, "draining 1 requests", d.proc, 30)
             os.kill(int(http), signal.SIGKILL)
-            assert d.proc.wait(timeout=60) == 1
+            assert d.proc.wait(timeout=30) == 1
         assert "the HTTP process exited with -9" in d.log.read_text()
         for pid in worker:
             deadline = time.monotonic() + 10

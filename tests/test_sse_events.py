@@ -16,7 +16,7 @@ import pytest
 
 from scheduler_client import openai_api as api
 from scheduler_client.engine import Engine
-from scheduler_client.engine_loop import Delta, Done, EngineLoop, Finished, Stream
+from scheduler_client.engine_loop import Delta, Done, EngineLoop, Finished, Refused, Stream
 from scheduler_client.http.door import Events
 
 
@@ -95,3 +95,14 @@ def test_stream_interval_puts_the_first_token_then_every_n(engine_none: Engine) 
 def test_a_stream_interval_below_1_is_refused(engine_none: Engine) -> None:
     with pytest.raises(ValueError, match="--stream-interval must be >= 1"):
         EngineLoop(engine_none, stream_interval=0)
+
+
+def test_a_request_submitted_after_the_loop_ended_is_refused_503(engine_none: Engine) -> None:
+    """A loop whose run has returned (drained, or its worker lost) answers at once: nobody reads
+    its inbox any more (data parallel: the other loops go on serving)."""
+    loop = EngineLoop(engine_none)
+    loop.drain(0.0)
+    loop.run()  # nothing to run: returns at once
+    stream = loop.submit({"prompt": [1, 2, 3], "max_tokens": 2})
+    event = stream.get(timeout_s=5)
+    assert isinstance(event, Refused) and event.status == 503, event

@@ -106,9 +106,25 @@ class _Outbox:
             return
         with self._lock:
             items, self._items = self._items, []
-        if not _send(self.sock, ["events", self.index, items]):
+        try:
+            msg = _encode(["events", self.index, items])
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+            msg = _encode(["events", self.index, [_sendable(item) for item in items]])
+        try:
+            self.sock.send(msg, zmq.NOBLOCK)
+        except zmq.Again:
             self._dropped += len(items)
             log.error("the HTTP process is not reading: %d events dropped", self._dropped)
+
+
+def _sendable(item: list[Any]) -> list[Any]:
+    """``item`` if msgpack takes it, else its request's end as a failure that says why."""
+    try:
+        _encode(item)
+    except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+        log.error("an event of %s could not be sent to the HTTP process: %s", item[0], e)
+        return [item[0], REFUSED, [f"the scheduler could not send this result: {e}", 500]]
+    return item
 
 
 class _Forward(Stream):
@@ -141,11 +157,15 @@ class ApiServerProcess:
         self._up_addr = f"ipc://{self._dir}/up"
         self._down_addr = f"ipc://{self._dir}/down"
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
-        self._up = self._ctx.socket(zmq.PULL)
-        self._up.setsockopt(zmq.LINGER, 0)
-        self._up.bind(self._up_addr)
-        self._ctl = _push(self._ctx, self._down_addr)  # the relay thread's
-        self._boxes = [_Outbox(self._ctx, self._down_addr, i) for i in range(len(self.loops))]
+        try:
+            self._up = self._ctx.socket(zmq.PULL)
+            self._up.setsockopt(zmq.LINGER, 0)
+            self._up.bind(self._up_addr)
+            self._ctl = _push(self._ctx, self._down_addr)  # the relay thread's
+            self._boxes = [_Outbox(self._ctx, self._down_addr, i) for i in range(len(self.loops))]
+        except zmq.ZMQError as e:  # an ipc path too long for the system (a long TMPDIR), ...
+            self.close()
+            raise OSError(f"cannot open the HTTP process's pipes in {self._dir}: {e}") from None
         for lp, box in zip(self.loops, self._boxes, strict=True):
             lp.after_step = box.flush
         self._stopping = threading.Event()
@@ -175,15 +195,32 @@ class ApiServerProcess:
                     self._thread.start()
                     return str(msg[1]), int(msg[2])
                 if msg[0] == "unusable":
-                    self._reap()
+                    self._reap(5.0)
+                    self.close()
                     raise OSError(msg[1])
             elif self.proc.poll() is not None:
+                self.close()
                 raise OSError(f"the HTTP process exited with {self.proc.returncode} at start")
         self._reap()
+        self.close()
         raise OSError(f"the HTTP process did not listen within {START_S:.0f} s")
 
     def _relay(self) -> None:
-        """Requests from the HTTP process into the loops; their state and metrics back."""
+        """Requests from the HTTP process into the loops; their state and metrics back. A
+        failure here is the HTTP process's loss: the loops drain at once."""
+        try:
+            self._relay_until_stopped()
+        except Exception as e:
+            log.exception("the relay to the HTTP process failed")
+            self._lost(f"the relay to the HTTP process failed: {e!r}")
+
+    def _lost(self, why: str) -> None:
+        self.failed = why
+        log.error("%s: draining at once", why)
+        for lp in self.loops:
+            lp.drain(0.0)
+
+    def _relay_until_stopped(self) -> None:
         state: list[Any] | None = None
         while not self._stopping.is_set():
             if self._up.poll(POLL_MS):
@@ -194,15 +231,11 @@ class ApiServerProcess:
                         break
                     self._take(raw)
             now = [[lp.health(), lp.draining, lp.failed] for lp in self.loops]
-            if now != state:
-                state = now
-                _send(self._ctl, ["state", now])
+            if now != state and _send(self._ctl, ["state", now]):
+                state = now  # else sent again at the next poll
             assert self.proc is not None
             if self.proc.poll() is not None and not self._stopping.is_set():
-                self.failed = f"the HTTP process exited with {self.proc.returncode}"
-                log.error("%s: draining at once", self.failed)
-                for lp in self.loops:
-                    lp.drain(0.0)
+                self._lost(f"the HTTP process exited with {self.proc.returncode}")
                 return
 
     def _take(self, raw: bytes) -> None:
@@ -219,7 +252,7 @@ class ApiServerProcess:
                 _send(self._ctl, ["metrics", args[0], generate_latest(self.registry)])
             else:
                 raise ValueError(f"unknown message kind {kind!r}")
-        except (ValueError, TypeError, IndexError, msgspec.DecodeError) as e:
+        except (ValueError, TypeError, IndexError, KeyError, msgspec.DecodeError) as e:
             log.error("a malformed message from the HTTP process was dropped: %s", e)
 
     def stop(self) -> None:
@@ -232,6 +265,10 @@ class ApiServerProcess:
             box.flush()
             _send(box.sock, ["stop", box.index])
         self._reap(SHUTDOWN_S + 5)
+        self.close()
+
+    def close(self) -> None:
+        """The pipes and their directory."""
         self._ctx.destroy(linger=2000)
         shutil.rmtree(self._dir, ignore_errors=True)
 
@@ -262,8 +299,14 @@ class RemoteLoop:
         request = dict(request)
         request.setdefault("req_id", f"req-{uuid.uuid4().hex}")
         stream.req_id = request["req_id"]
+        try:
+            msg = _encode(["add", self.index, request])
+        except (TypeError, ValueError, OverflowError, msgspec.EncodeError) as e:
+            # (an integer past 64 bits in a JSON schema): refused here, its slot given back
+            stream.put(Refused(f"the request cannot be passed to the engine: {e}"))
+            return stream
         self.link.streams[stream.req_id] = stream  # before the add: no event finds it missing
-        self.link.send(["add", self.index, request])
+        self.link.send_raw(msg, "add")
         return stream
 
     def abort(self, req_id: str) -> None:
@@ -282,6 +325,7 @@ class _Link:
         self.down = self.ctx.socket(zmq.PULL)
         self.down.setsockopt(zmq.LINGER, 0)
         self.down.bind(down)
+        self.down_path = down.removeprefix("ipc://")
         self.up = _push(self.ctx, up)
         self._lock = threading.Lock()
         self.streams: dict[str, Stream] = {}  # req_id -> its reader, until its end
@@ -289,9 +333,14 @@ class _Link:
         self._ask_ids = itertools.count()
 
     def send(self, msg: list[Any]) -> None:
+        self.send_raw(_encode(msg), msg[0])
+
+    def send_raw(self, raw: bytes, kind: str) -> None:
         with self._lock:
-            if not _send(self.up, msg):
-                log.error("the scheduler is not reading: %s dropped", msg[0])
+            try:
+                self.up.send(raw, zmq.NOBLOCK)
+            except zmq.Again:
+                log.error("the scheduler is not reading: %s dropped", kind)
 
     async def metrics(self) -> bytes:
         loop = asyncio.get_running_loop()
@@ -325,6 +374,8 @@ class _Link:
                         return True
             if os.getppid() != parent_pid:
                 log.error("the scheduler (pid %d) is gone: stopping", parent_pid)
+                # nobody else removes the pipes' directory of a killed scheduler
+                shutil.rmtree(os.path.dirname(self.down_path), ignore_errors=True)
                 return False
 
     def _deliver(self, items: list[list[Any]]) -> None:
