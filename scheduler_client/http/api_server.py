@@ -101,20 +101,22 @@ class _Outbox:
         with self._lock:
             self._items.append([req_id, code, payload])
 
-    def flush(self) -> None:  # the loop's thread (its after_step)
+    def flush(self) -> None:
+        """The loop's thread (its after_step); once the loop has ended, the relay's too: the
+        lock keeps the socket to one thread at a time."""
         if not self._items:
             return
         with self._lock:
             items, self._items = self._items, []
-        try:
-            msg = _encode(["events", self.index, items])
-        except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
-            msg = _encode(["events", self.index, [_sendable(item) for item in items]])
-        try:
-            self.sock.send(msg, zmq.NOBLOCK)
-        except zmq.Again:
-            self._dropped += len(items)
-            log.error("the HTTP process is not reading: %d events dropped", self._dropped)
+            try:
+                msg = _encode(["events", self.index, items])
+            except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
+                msg = _encode(["events", self.index, [_sendable(item) for item in items]])
+            try:
+                self.sock.send(msg, zmq.NOBLOCK)
+            except zmq.Again:
+                self._dropped += len(items)
+                log.error("the HTTP process is not reading: %d events dropped", self._dropped)
 
 
 def _sendable(item: list[Any]) -> list[Any]:
