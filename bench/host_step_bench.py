@@ -1,5 +1,5 @@
-"""The worker's host cost a step: ``check_step`` and ``build_step_batch`` timed around every call
-of a run at batch ~54 with arrivals (a tiny random Llama on the CPU; the model's own time is not
+"""The worker's host cost a step: ``check_step``, ``build_step_batch`` and the runner's host-only
+parts (request updates, commit, drafting, the output message) timed around every call of a run at batch ~54 with arrivals (a tiny random Llama on the CPU; the model's own time is not
 in these figures).
 
     python bench/host_step_bench.py [--drafter none|ngram] [--requests 200]
@@ -62,6 +62,8 @@ def main() -> None:
         )
         for i in range(a.requests)
     ]
+    for name in ("update_requests", "commit", "propose_drafts", "output"):
+        setattr(runner, name, timed(name, getattr(runner, name)))
     run(runner, reqs, max_steps=100_000)
     for name in spent:
         print(f"{name}: {1e6 * spent[name] / calls[name]:.1f} us a step over {calls[name]} steps")

@@ -4,9 +4,9 @@ tokens (n from max_n down to min_n) and propose the tokens that followed it."""
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from worker.drafters.base import Drafter, Proposal
+from worker.host_copy import to_device
 from worker.requests import RequestStates
 
 
@@ -48,4 +48,4 @@ class NgramDrafter(Drafter):
             drafts = ngram_lookup(states.tokens(slot), self.min_n, self.max_n, k) if k else []
             out[i, : len(drafts)] = drafts
             num.append(len(drafts))
-        return Proposal(torch.from_numpy(out).to(states.device, non_blocking=True), num)
+        return Proposal(to_device(out, states.device), num)
