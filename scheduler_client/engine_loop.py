@@ -83,7 +83,7 @@ Event = Delta | Done | Refused
 
 class LoopHandle(Protocol):
     """What readers and the HTTP door use of an engine loop: an ``EngineLoop`` in this process,
-    or its stand-in in the HTTP process (``http/front.py``)."""
+    or its stand-in in the HTTP process (``http/api_server.py``)."""
 
     @property
     def draining(self) -> bool: ...
