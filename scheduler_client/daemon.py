@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client import generate_latest
 
@@ -341,40 +341,35 @@ class _DoorThread:
 def front(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop], model: str) -> _Front:
     """The HTTP door for ``loops``: on a thread here, or in its own process."""
     ready = loops[0].engine.ready
+    registry = merged_registry([lp.engine.prom.registry for lp in loops])
+    # the Door's settings, for this process's Door or the HTTP process's (as JSON)
+    door_settings: dict[str, Any] = {
+        "model": model,
+        "max_model_len": ready.max_model_len,
+        "vocab_size": ready.vocab_size,
+        "api_key": api_key,
+        "max_request_bytes": cfg.max_request_bytes,
+        "max_active_requests": cfg.max_active_requests,
+        "body_timeout_s": cfg.limits.body_timeout_s,
+    }
     if cfg.api_server_count == 1:
         return ApiServerProcess(
             loops,
+            registry,
             {
+                "door": door_settings,
                 "host": cfg.host,
                 "port": cfg.port,
-                "model": model,
-                "max_model_len": ready.max_model_len,
-                "vocab_size": ready.vocab_size,
-                "api_key": api_key,
-                "max_request_bytes": cfg.max_request_bytes,
-                "max_active_requests": cfg.max_active_requests,
                 "limits": dataclasses.asdict(cfg.limits),
                 "log_level": cfg.log_level,
                 "log_format": cfg.log_format,
             },
         )
-    registry = merged_registry([lp.engine.prom.registry for lp in loops])
 
     async def metrics() -> bytes:
         return bytes(generate_latest(registry))
 
-    door = Door(
-        loops,
-        metrics=metrics,
-        model=model,
-        max_model_len=ready.max_model_len,
-        vocab_size=ready.vocab_size,
-        api_key=api_key,
-        max_request_bytes=cfg.max_request_bytes,
-        max_active_requests=cfg.max_active_requests,
-        body_timeout_s=cfg.limits.body_timeout_s,
-    )
-    return _DoorThread(door, cfg)
+    return _DoorThread(Door(loops, metrics=metrics, **door_settings), cfg)
 
 
 def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int:

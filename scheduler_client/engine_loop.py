@@ -81,6 +81,11 @@ SHUTTING_DOWN = "the scheduler is shutting down"
 Event = Delta | Done | Refused
 
 
+def with_req_id(request: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``request`` with its id, a new one where the caller gave none."""
+    return {"req_id": f"req-{uuid.uuid4().hex}", **request}
+
+
 class LoopHandle(Protocol):
     """What readers and the HTTP door use of an engine loop: an ``EngineLoop`` in this process,
     or its stand-in in the HTTP process (``http/api_server.py``)."""
@@ -188,8 +193,7 @@ class EngineLoop:
 
     def submit_stream(self, request: dict[str, Any], stream: Stream) -> Stream:
         """``submit`` with the reader's ``stream`` made by the caller."""
-        request = dict(request)
-        request.setdefault("req_id", f"req-{uuid.uuid4().hex}")
+        request = with_req_id(request)
         stream.req_id = request["req_id"]  # known at once, so an abort can name it
         with self._ended_lock:
             if not self.ended:

@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from worker.host_copy import to_device
 from worker.kv_cache import KVCache
 from worker.paged_kernel import paged_attention
 
@@ -139,11 +140,13 @@ def build_metadata(
     q_pos = np.where(real, starts[:, None] + j[None, :], 0)
     block_table = kv_cache.blocks.table_np[slots_np, :nb]
     if kernel:
-        flat = torch.from_numpy(
+        flat = to_device(
             np.concatenate(
                 [slot_mapping, cu, positions, np.zeros(num_padding, np.int64), block_table.ravel()]
-            )
-        ).to(device, non_blocking=True)
+            ),
+            device,
+            dtype=None,
+        )
         t = total + num_padding
         parts = torch.split(flat, [t, b + 1, t, b * nb])
         return kernel_metadata(
@@ -155,11 +158,13 @@ def build_metadata(
             unowned_rows=num_padding > 0,
         )
     # one host-to-device copy for the five index arrays
-    flat = torch.from_numpy(
+    flat = to_device(
         np.concatenate(
             [slot_mapping, out_index, query_index.ravel(), q_pos.ravel(), block_table.ravel()]
-        )
-    ).to(device, non_blocking=True)
+        ),
+        device,
+        dtype=None,
+    )
     t = total + num_padding
     parts = torch.split(flat, [t, t, b * q, b * q, b * nb])
     return PagedMetadata(

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from worker.host_copy import to_device
+
 SCRATCH_BLOCK = 0
 
 
@@ -104,10 +106,8 @@ class BlockTable:
             return
         rows = np.fromiter(self._dirty, np.int64, len(self._dirty))
         self._dirty.clear()
-        idx = torch.from_numpy(rows).to(self.table.device, non_blocking=True)
-        self.table[idx] = torch.from_numpy(self.table_np[rows]).to(
-            self.table.device, non_blocking=True
-        )
+        idx = to_device(rows, self.table.device)
+        self.table[idx] = to_device(self.table_np[rows], self.table.device, dtype=None)
 
     def cache_rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Physical flat cache row of each (slot, position) pair: [N] int64. A position in a

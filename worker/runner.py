@@ -232,7 +232,7 @@ class ModelRunner:
             w = min(batch.num_drafts[i], probs.shape[1])
             if r < 0 or w == 0:
                 continue
-            own = torch.from_numpy(batch.own_drafts[i][:w]).to(probs.device)
+            own = to_device(batch.own_drafts[i][:w], probs.device, dtype=None)
             out[j, :w] = probs[r, :w] * own[:, None]
         return out
 
@@ -300,7 +300,7 @@ class ModelRunner:
         if num.any():
             # one scatter for the batch; columns past a request's num_drafts are never read
             width = min(proposal.token_ids.shape[1], st.draft_token_ids.shape[1])
-            index = torch.from_numpy(np.asarray(slots, np.int64)).to(self.device, non_blocking=True)
+            index = to_device(slots, self.device)
             st.draft_token_ids[index, :width] = proposal.token_ids[:, :width]
         if proposal.probs is not None:
             self._last_probs = proposal.probs

@@ -36,13 +36,12 @@ import sys
 import tempfile
 import threading
 import time
-import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgspec
 import zmq
-from prometheus_client import generate_latest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from scheduler_client.engine_loop import (
     Delta,
@@ -52,10 +51,10 @@ from scheduler_client.engine_loop import (
     Finished,
     Refused,
     Stream,
+    with_req_id,
 )
 from scheduler_client.http.door import Door
 from scheduler_client.http.server import SHUTDOWN_S, DoorLimits, DoorServer
-from scheduler_client.prom import merged_registry
 
 log = logging.getLogger("specd.http")
 
@@ -77,10 +76,11 @@ def _push(ctx: zmq.Context[zmq.Socket[bytes]], addr: str) -> zmq.Socket[bytes]:
     return sock
 
 
-def _send(sock: zmq.Socket[bytes], msg: list[Any]) -> bool:
-    """False when the peer has stopped reading (its queue is full): the message is dropped."""
+def _send(sock: zmq.Socket[bytes], msg: list[Any] | bytes) -> bool:
+    """``msg`` (or its encoding, already made); False when the peer has stopped reading (its
+    queue is full): the message is dropped."""
     try:
-        sock.send(_encode(msg), zmq.NOBLOCK)
+        sock.send(msg if isinstance(msg, bytes) else _encode(msg), zmq.NOBLOCK)
     except zmq.Again:
         return False
     return True
@@ -112,9 +112,7 @@ class _Outbox:
                 msg = _encode(["events", self.index, items])
             except (TypeError, ValueError, OverflowError, msgspec.EncodeError):
                 msg = _encode(["events", self.index, [_sendable(item) for item in items]])
-            try:
-                self.sock.send(msg, zmq.NOBLOCK)
-            except zmq.Again:
+            if not _send(self.sock, msg):
                 self._dropped += len(items)
                 log.error("the HTTP process is not reading: %d events dropped", self._dropped)
 
@@ -150,11 +148,13 @@ class ApiServerProcess:
     """Launches the HTTP process for ``loops`` and relays between them (``start``, ``stop``).
     ``failed`` says why it ended early (the HTTP process died): the daemon then exits 1."""
 
-    def __init__(self, loops: Sequence[EngineLoop], settings: dict[str, Any]) -> None:
+    def __init__(
+        self, loops: Sequence[EngineLoop], registry: CollectorRegistry, settings: dict[str, Any]
+    ) -> None:
         self.loops = list(loops)
         self.settings = settings  # the HTTP process's: main() reads them from its stdin
         self.failed: str | None = None
-        self.registry = merged_registry([lp.engine.prom.registry for lp in self.loops])
+        self.registry = registry  # every loop's engine metrics, for /metrics
         self._dir = tempfile.mkdtemp(prefix="specd-http-")  # 0700
         self._up_addr = f"ipc://{self._dir}/up"
         self._down_addr = f"ipc://{self._dir}/down"
@@ -298,8 +298,7 @@ class RemoteLoop:
 
     def submit(self, request: dict[str, Any], waker: Callable[[], None] | None = None) -> Stream:
         stream = Stream(self, waker)
-        request = dict(request)
-        request.setdefault("req_id", f"req-{uuid.uuid4().hex}")
+        request = with_req_id(request)
         stream.req_id = request["req_id"]
         try:
             msg = _encode(["add", self.index, request])
@@ -339,9 +338,7 @@ class _Link:
 
     def send_raw(self, raw: bytes, kind: str) -> None:
         with self._lock:
-            try:
-                self.up.send(raw, zmq.NOBLOCK)
-            except zmq.Again:
+            if not _send(self.up, raw):
                 log.error("the scheduler is not reading: %s dropped", kind)
 
     async def metrics(self) -> bytes:
@@ -413,17 +410,7 @@ def main() -> int:
     setup_logging(s["log_level"], s["log_format"])
     link = _Link(s["up"], s["down"])
     loops = [RemoteLoop(link, i) for i in range(s["num_loops"])]
-    door = Door(
-        loops,
-        metrics=link.metrics,
-        model=s["model"],
-        max_model_len=s["max_model_len"],
-        vocab_size=s["vocab_size"],
-        api_key=s["api_key"],
-        max_request_bytes=s["max_request_bytes"],
-        max_active_requests=s["max_active_requests"],
-        body_timeout_s=s["limits"]["body_timeout_s"],
-    )
+    door = Door(loops, metrics=link.metrics, **s["door"])
     try:
         server = DoorServer(door, s["host"], s["port"], DoorLimits(**s["limits"]))
     except OSError as e:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker.host_copy import to_device
 from worker.requests import RequestStates
 from worker.sampling import probs_from_logits, sample_from
 
@@ -59,14 +60,14 @@ def choose_tokens(
     device = logits.device
     q = probs_from_logits(
         logits,
-        torch.tensor([max(p.temperature, 1e-5) for p in params], device=device),  # type: ignore[union-attr]
-        torch.tensor([p.top_k for p in params], device=device),  # type: ignore[union-attr]
-        torch.tensor([p.top_p for p in params], device=device),  # type: ignore[union-attr]
+        to_device([max(p.temperature, 1e-5) for p in params], device, torch.float32),  # type: ignore[union-attr]
+        to_device([p.top_k for p in params], device),  # type: ignore[union-attr]
+        to_device([p.top_p for p in params], device, torch.float32),  # type: ignore[union-attr]
     )
     u = torch.stack(
         [torch.rand((), generator=p.generator, device=device) for p in params]  # type: ignore[union-attr]
     )
-    greedy = torch.tensor([p.temperature == 0 for p in params], device=device)  # type: ignore[union-attr]
+    greedy = to_device([p.temperature == 0 for p in params], device, torch.bool)  # type: ignore[union-attr]
     return torch.where(greedy, picked, sample_from(q, u)), q
 
 
