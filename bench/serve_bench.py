@@ -5,7 +5,8 @@
         --drafters none ngram eagle --modes sync overlap --json-out serve.json
 
 For each drafter (none, ngram, eagle with ``--eagle-head``, ``embedded`` for the embedded SmolLM2)
-and each mode (sync, overlap = ``--async-scheduling``) a worker is launched with ``--max-num-seqs``
+and each mode (sync, overlap = ``--async-scheduling``, pipelined = overlap and the worker's
+``--pipeline-steps``) a worker is launched with ``--max-num-seqs``
 the largest concurrency, and a ``specd-scheduler`` is connected to it (its caps come from the
 worker's handshake). The mixed workload (bench/workloads/mixed.jsonl: JSON, regex and choice
 constrained; bench/prompts.py: edit tasks and open chat, ``--max-tokens`` each, EOS ignored) is sent
@@ -150,8 +151,11 @@ def http_process(sched_pid: int) -> int:
     return 0
 
 
-def worker_cmd(a: argparse.Namespace, drafter: str, addr: str, metrics_port: int) -> list[str]:
+def worker_cmd(
+    a: argparse.Namespace, drafter: str, mode: str, addr: str, metrics_port: int
+) -> list[str]:
     cmd = [sys.executable, "-m", "worker.daemon", "--model", a.model, "--listen", addr]
+    cmd += ["--pipeline-steps"] if mode == "pipelined" else []
     cmd += ["--metrics-port", str(metrics_port)]
     cmd += ["--load-format", a.load_format, "--drafter", drafter, "--log-level", "WARNING"]
     cmd += ["--max-num-seqs", str(max(a.concurrencies)), "--max-model-len", str(a.max_model_len)]
@@ -182,11 +186,11 @@ def served(
         env = dict(os.environ)
         if a.profile_scheduler and a.log_dir:  # SIGUSR1 brackets a torch profile of its steps
             env["SPECD_PROFILE_DIR"] = str(Path(a.log_dir).resolve())
-        worker = subprocess.Popen(worker_cmd(a, drafter, addr, wport), stderr=log, env=env)
+        worker = subprocess.Popen(worker_cmd(a, drafter, mode, addr, wport), stderr=log, env=env)
         # --port 0: the scheduler binds a free port and names it in its "ready" line
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
-        sched_cmd += ["--async-scheduling"] if mode == "overlap" else []
+        sched_cmd += ["--async-scheduling"] if mode in ("overlap", "pipelined") else []
         sched_cmd += shlex.split(a.scheduler_args)
         # a new file: wait_ready reads the first "ready" line in it (an old run's would name
         # another port when --log-dir is reused)
@@ -396,7 +400,9 @@ def main() -> None:
         help="closed loop at concurrency c: the first max(16, K * c) requests (0: all)",
     )
     ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "eagle"])
-    ap.add_argument("--modes", nargs="+", default=["sync", "overlap"], choices=("sync", "overlap"))
+    ap.add_argument(
+        "--modes", nargs="+", default=["sync", "overlap"], choices=("sync", "overlap", "pipelined")
+    )
     ap.add_argument("--eagle-head", default="embedded", help="with the eagle drafter")
     ap.add_argument(
         "--draft-model",

@@ -87,6 +87,7 @@ class WorkerConfig:
     tp_init: str | None = None  # the rank group's init method, file://PATH (set by rank 0)
     enforce_eager: bool = False
     enable_torch_compile: bool = False
+    pipeline_steps: bool = False
 
     def transport(self) -> TransportConfig:
         return TransportConfig(
@@ -290,6 +291,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "start-up while graphs are captured, on the CPU at the first decode steps",
     )
     ap.add_argument(
+        "--pipeline-steps",
+        action="store_true",
+        help="with no drafter: leave a step's sampled tokens on the device and launch the next "
+        "step (sent ahead by a scheduler with --async-scheduling) before reading them, so the "
+        "host prepares step n+1 while the GPU runs step n (vLLM's async scheduling)",
+    )
+    ap.add_argument(
         "--metrics-port",
         type=int,
         default=d.metrics_port,
@@ -334,5 +342,6 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         tp_rank=a.tp_rank,
         tp_init=a.tp_init,
         enforce_eager=a.enforce_eager,
+        pipeline_steps=a.pipeline_steps,
         enable_torch_compile=a.enable_torch_compile,
     )

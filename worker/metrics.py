@@ -38,6 +38,11 @@ class WorkerMetrics:
             ["position"],
             registry=r,
         )
+        self.pipelined = Counter(
+            "specd_worker_pipelined_steps_total",
+            "Steps launched while the step before was still open (--pipeline-steps)",
+            registry=r,
+        )
         self.running = Gauge(
             "specd_worker_running_requests", "Requests holding a KV slot", registry=r
         )

@@ -65,6 +65,9 @@ class RequestStates:
             (max_num_seqs, max(max_num_draft_tokens, 1)), dtype=torch.long, device=device
         )
         self.num_drafts = np.zeros(max_num_seqs, np.int64)
+        # moves on each time a slot is taken or given back: a step left open names its slots
+        # with it, so a token read back later never lands in a request that took the slot since
+        self.generation = np.zeros(max_num_seqs, np.int64)
 
     def check_new(self, req: NewRequest, max_num_draft_tokens: int, where: str) -> None:
         """Refuse (``WorkerRequestError`` naming the field under ``where``, e.g.
@@ -141,6 +144,7 @@ class RequestStates:
         s = req.sampling
         slot = self.free_slots.pop()
         self.slot_of[req.req_id] = slot
+        self.generation[slot] += 1
         self.token_ids[slot, :n] = req.prompt_token_ids
         self.num_tokens[slot] = n
         self.num_computed[slot] = 0
@@ -159,6 +163,7 @@ class RequestStates:
         if slot is not None:
             self.sampling[slot] = None
             self.num_drafts[slot] = 0
+            self.generation[slot] += 1
             self.free_slots.append(slot)
         return slot
 

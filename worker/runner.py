@@ -15,21 +15,68 @@ are committed; otherwise it was a prefill chunk and nothing is sampled.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput, StepBitmask
 from worker.draft_tokens import DraftTokensHandler
-from worker.drafters.base import Drafter
+from worker.drafters.base import Drafter, NoDrafter
 from worker.grammar_rows import apply_grammar, plan_deferred, plan_grammar
 from worker.host_copy import to_device
 from worker.model_executor import ModelExecutor
 from worker.rejection import VerifyInput, verify, verify_greedy
-from worker.requests import RequestStates, WorkerRequestError
+from worker.requests import RequestStates, SamplingState, WorkerRequestError
 from worker.spec_utils import get_drafter_hidden_states
 from worker.step_batch import StepBatch, StepError, build_step_batch
 from worker.step_checks import StepLimits, check_bitmask, check_step
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step launched by ``ModelRunner.launch``, for ``ModelRunner.finish`` to answer.
+
+    A closed step has its tokens on the host and committed. An open one (``launch(hold=True)``)
+    has them on the device (``device_tokens`` [S]) with their copy to the host queued behind the
+    kernels; ``owners`` [S] names where each goes: (slot, the slot's generation, position; -1
+    where the request was already at its length limit)."""
+
+    sched: SchedulerOutput
+    batch: StepBatch
+    rejected: list[WorkerRequestError]
+    tokens: np.ndarray | None = None  # [S, K + 1]
+    num_accepted: np.ndarray | None = None  # [S]
+    num_sampled: list[int] = field(default_factory=list)  # [B]
+    generations: list[int] = field(default_factory=list)  # [B] each slot's at launch
+    open: bool = False
+    device_tokens: torch.Tensor | None = None
+    owners: list[tuple[int, int, int]] = field(default_factory=list)
+    _host: torch.Tensor | None = None
+    _copied: torch.cuda.Event | None = None
+
+    def hold(self, sampled: torch.Tensor) -> None:
+        """Keep ``sampled`` [S] on the device and queue its copy into pinned host memory."""
+        self.open = True
+        self.device_tokens = sampled
+        if sampled.device.type != "cuda":
+            self._host = sampled
+            return
+        self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
+        self._host.copy_(sampled, non_blocking=True)
+        self._copied = torch.cuda.Event(blocking=True)  # waited for by sleeping, not spinning
+        self._copied.record()
+
+    def ready(self) -> bool:
+        """True once the step's kernels and its tokens' copy have run (finishing won't wait)."""
+        return self._copied is None or self._copied.query()
+
+    def read_tokens(self) -> np.ndarray:
+        """[S, 1] on the host: the one designed sync for an open step's sampled tokens."""
+        assert self._host is not None
+        if self._copied is not None:
+            self._copied.synchronize()
+        return self._host.numpy().astype(np.int64)[:, None]
 
 
 class ModelRunner:
@@ -63,6 +110,7 @@ class ModelRunner:
         # slot -> row. None when the drafter has none (n-gram) or every request is greedy.
         self._last_probs: torch.Tensor | None = None
         self._last_row_of: dict[int, int] = {}
+        self._open: list[LaunchedStep] = []  # launched with hold, not finished yet
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -78,7 +126,23 @@ class ModelRunner:
         A refused step (``StepError``: ``check_step`` before anything is applied, or its deferred
         rows) leaves every running request as it was and keeps none of its new requests; its
         finished and aborted ids are released all the same (the scheduler has let them go)."""
-        self.draft_tokens.begin_step(sched.step_id)
+        return self.finish(self.launch(sched, wait_bitmask))
+
+    @torch.inference_mode()
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        wait_bitmask: Callable[[int], StepBitmask] | None = None,
+        *,
+        hold: bool = False,
+    ) -> LaunchedStep:
+        """The step up to its sampled tokens: checks, layout, forward, grammar rows, sampling.
+
+        With ``hold`` a step that verifies no drafts (and runs no drafter) is left open: its
+        sampled tokens stay on the device, copied to the host behind the kernels, and its commit
+        is done in advance (each sampling request's length moves on by one token whose value is
+        still on the device). The next step may then be launched before this one is finished:
+        its layout reads those tokens on the device. ``finish`` reads them and answers."""
         try:
             rejected = check_step(
                 sched,
@@ -95,11 +159,12 @@ class ModelRunner:
             batch = build_step_batch(
                 sched, self.states, {e.req_id for e in rejected}, self.vocab_size, self.device
             )
+            step = LaunchedStep(
+                sched, batch, rejected, generations=self.states.generation[batch.slots].tolist()
+            )
             if not batch.req_ids:  # a step that only finishes or adds requests
-                self.num_steps += 1
-                return self.output(
-                    sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
-                ), rejected
+                return step
+            self._fill_open_tokens(batch)
             logits, hidden = self.target.forward(
                 batch.input_ids,
                 batch.positions,
@@ -125,18 +190,104 @@ class ModelRunner:
             for slot in self.states.slot_of.values():
                 self.target.kv_cache.trim(slot, int(self.states.num_computed[slot]))
             raise
+        if hold and self.can_hold and not any(batch.num_drafts) and batch.sample_idx:
+            self._hold(step, logits)
+            return step
         tokens, num_accepted = self.accept(sched, batch, logits)
         for j, cap in caps.items():  # at most the drafts the grammar allows (greedy only)
             num_accepted[j] = min(int(num_accepted[j]), cap)
-        num_sampled = self.commit(batch, tokens, num_accepted)
+        step.num_sampled = self.commit(batch, tokens, num_accepted)
+        step.tokens, step.num_accepted = tokens, num_accepted
         if self.drafter.needs_hidden_states:
             self.feed_hidden_states(batch, hidden, num_accepted)
-        self.propose_drafts(batch, sched.max_draft_proposals)
+        return step
+
+    @torch.inference_mode()
+    def finish(self, step: LaunchedStep) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
+        """A launched step's tokens on the host (an open step's copy waited for), its drafts
+        proposed, and its output."""
+        self.draft_tokens.begin_step(step.sched.step_id)
+        batch = step.batch
+        if step.open:
+            self._open.remove(step)
+            step.tokens = step.read_tokens()
+            st = self.states
+            for j, (slot, generation, position) in enumerate(step.owners):
+                if st.generation[slot] == generation and position >= 0:
+                    st.token_ids[slot, position] = step.tokens[j, 0]
+        if not batch.req_ids:
+            self.num_steps += 1
+            return self.output(
+                step.sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
+            ), step.rejected
+        assert step.tokens is not None and step.num_accepted is not None
+        self.propose_drafts(batch, step.sched.max_draft_proposals, step.generations)
         self.num_steps += 1
-        return self.output(sched.step_id, batch, tokens, num_sampled, num_accepted), rejected
+        return self.output(
+            step.sched.step_id, batch, step.tokens, step.num_sampled, step.num_accepted
+        ), step.rejected
+
+    @property
+    def can_hold(self) -> bool:
+        """Steps may be left open only without a drafter: a drafter proposes from the committed
+        tokens, which an open step has not read back yet."""
+        return isinstance(self.drafter, NoDrafter)
+
+    def _hold(self, step: LaunchedStep, logits: torch.Tensor) -> None:
+        """Sample on the device, queue the tokens' copy to the host, and commit the lengths."""
+        batch, st = step.batch, self.states
+        params = [st.sampling[batch.slots[i]] for i in batch.sample_idx]
+        if all(p.temperature == 0 for p in params):  # type: ignore[union-attr]
+            sampled = logits.argmax(-1)  # one logit row per request: no drafts
+        else:
+            sampled = verify(
+                self._verify_input(step.sched, batch, logits, params)
+            ).output_token_ids[:, 0]
+        step.hold(sampled)
+        num_sampled = [0] * len(batch.req_ids)
+        self._advance(batch)
+        for i in batch.sample_idx:
+            slot = batch.slots[i]
+            n = int(st.num_tokens[slot])
+            room = n < st.max_model_len  # as ``RequestStates.append``: past the end, not kept
+            st.num_tokens[slot] = n + room
+            step.owners.append((slot, int(st.generation[slot]), n if room else -1))
+            num_sampled[i] = 1
+        self._trim(batch)
+        step.num_sampled = num_sampled
+        step.num_accepted = np.zeros(len(batch.sample_idx), np.int64)
+        self._open.append(step)
+
+    def _fill_open_tokens(self, batch: StepBatch) -> None:
+        """Tokens that open steps sampled and this step runs: read on the device, where the
+        layout holds a stale host value."""
+        if not self._open:
+            return
+        st = self.states
+        where = {slot: i for i, slot in enumerate(batch.slots)}
+        flat_start = np.cumsum([0, *batch.num_scheduled[:-1]]).tolist()
+        dst: list[int] = []
+        src_step: list[tuple[torch.Tensor, int]] = []
+        for step in self._open:
+            for j, (slot, generation, position) in enumerate(step.owners):
+                i = where.get(slot)
+                if i is None or position < 0 or st.generation[slot] != generation:
+                    continue
+                offset = position - batch.start_positions[i]
+                if 0 <= offset < batch.num_scheduled[i] - batch.num_drafts[i]:
+                    dst.append(flat_start[i] + offset)
+                    src_step.append((step.device_tokens, j))  # type: ignore[arg-type]
+        if not dst:
+            return
+        if len(self._open) == 1:
+            values = src_step[0][0][to_device([j for _, j in src_step], self.device)]
+        else:
+            values = torch.stack([t[j] for t, j in src_step])
+        batch.input_ids[to_device(dst, self.device)] = values.to(batch.input_ids.dtype)
 
     def reset(self) -> None:
         """Drop every request (a new scheduler took over)."""
+        self._open.clear()
         for req_id in list(self.states.slot_of):
             self._drop(req_id)
         self.draft_tokens.begin_step(-1)
@@ -181,6 +332,16 @@ class ModelRunner:
         params = [self.states.sampling[batch.slots[i]] for i in batch.sample_idx]
         if all(p.temperature == 0 for p in params):  # type: ignore[union-attr]
             return self._accept_greedy(batch, logits)
+        out = verify(self._verify_input(sched, batch, logits, params))
+        return out.output_token_ids.cpu().numpy(), out.num_accepted.cpu().numpy()
+
+    def _verify_input(
+        self,
+        sched: SchedulerOutput,
+        batch: StepBatch,
+        logits: torch.Tensor,
+        params: list[SamplingState | None],
+    ) -> VerifyInput:
         device = self.device
         k = batch.draft_token_ids.shape[1]
         # A fixed number of draws per request and step, whatever the batch's widest draft: a
@@ -192,7 +353,7 @@ class ModelRunner:
                 for p in params
             ]
         )
-        inp = VerifyInput(
+        return VerifyInput(
             logits=logits,
             cu_rows=batch.cu_rows,
             num_drafts=[batch.num_drafts[i] for i in batch.sample_idx],
@@ -206,8 +367,6 @@ class ModelRunner:
             all_greedy=all(p.temperature == 0 for p in params),  # type: ignore[union-attr]
             filtered=any(p.top_k > 0 or p.top_p < 1.0 for p in params),  # type: ignore[union-attr]
         )
-        out = verify(inp)
-        return out.output_token_ids.cpu().numpy(), out.num_accepted.cpu().numpy()
 
     def _accept_greedy(
         self, batch: StepBatch, logits: torch.Tensor
@@ -241,20 +400,27 @@ class ModelRunner:
         Rejected positions stay in the cache and are overwritten later."""
         st = self.states
         num_sampled = [0] * len(batch.req_ids)
-        for i, slot in enumerate(batch.slots):
-            c = st.num_computed[slot]
-            st.num_computed[slot] = c + batch.num_scheduled[i] - batch.num_drafts[i]
+        self._advance(batch)
         for j, i in enumerate(batch.sample_idx):
             slot = batch.slots[i]
             a = int(num_accepted[j])
             st.append(slot, tokens[j, : a + 1].tolist())
             st.num_computed[slot] += a
             num_sampled[i] = a + 1
-        # Blocks wholly past the computed length (rejected drafts) go back: between steps a
-        # request holds ceil(num_computed / block_size) blocks, as the scheduler counts them.
-        for slot in batch.slots:
-            self.target.kv_cache.trim(slot, int(st.num_computed[slot]))
+        self._trim(batch)
         return num_sampled
+
+    def _advance(self, batch: StepBatch) -> None:
+        """Each request's computed length past the tokens it ran, less its drafts."""
+        st = self.states
+        for i, slot in enumerate(batch.slots):
+            st.num_computed[slot] += batch.num_scheduled[i] - batch.num_drafts[i]
+
+    def _trim(self, batch: StepBatch) -> None:
+        """Blocks wholly past the computed length (rejected drafts) go back: between steps a
+        request holds ceil(num_computed / block_size) blocks, as the scheduler counts them."""
+        for slot in batch.slots:
+            self.target.kv_cache.trim(slot, int(self.states.num_computed[slot]))
 
     def feed_hidden_states(
         self, batch: StepBatch, hidden: torch.Tensor, num_accepted: np.ndarray
@@ -280,12 +446,18 @@ class ModelRunner:
             states[to_device(rows, hidden.device)],
         )
 
-    def propose_drafts(self, batch: StepBatch, cap: int = -1) -> None:
+    def propose_drafts(
+        self, batch: StepBatch, cap: int = -1, generations: list[int] | None = None
+    ) -> None:
         """Drafts for every request that sampled: at most its own width, the room left in its
-        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap)."""
+        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap). With
+        ``generations`` (each slot's at launch), a request that left since gets none."""
         st = self.states
-        slots = [batch.slots[i] for i in batch.sample_idx]
-        req_ids = [batch.req_ids[i] for i in batch.sample_idx]
+        sampled = batch.sample_idx
+        if generations is not None:
+            sampled = [i for i in sampled if st.generation[batch.slots[i]] == generations[i]]
+        slots = [batch.slots[i] for i in sampled]
+        req_ids = [batch.req_ids[i] for i in sampled]
         widths = [
             int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in slots
         ]

@@ -47,7 +47,7 @@ from worker.kv_cache import default_num_blocks
 from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor, kv_blocks_for_memory
 from worker.model_loader import eos_token_ids, load_model
-from worker.runner import ModelRunner, StepError
+from worker.runner import LaunchedStep, ModelRunner, StepError
 from worker.step_profiler import StepProfiler
 from worker.tensor_parallel import shard_model
 from worker.tp_group import BroadcastRunner, follow
@@ -55,6 +55,7 @@ from worker.tp_group import BroadcastRunner, follow
 log = logging.getLogger("specd.worker")
 
 MAX_BACKLOG = 16  # steps that may queue behind one waiting for its deferred rows
+OPEN_POLL_S = 20e-6  # with a step open: how often the socket and the step's kernels are checked
 
 
 def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
@@ -185,8 +186,14 @@ class WorkerLoop:
         metrics: WorkerMetrics | None = None,
         peer_timeout_s: float = 60.0,
         parent_pid: int | None = None,
+        pipeline_steps: bool = False,
     ) -> None:
         self.metrics = metrics or WorkerMetrics()
+        # --pipeline-steps: a step with no drafts is left open (its tokens on the device) while
+        # the next step, when it has already arrived, is launched behind it (ModelRunner.launch)
+        self.pipeline = pipeline_steps and isinstance(runner, ModelRunner) and runner.can_hold
+        self.open_step: tuple[bytes, LaunchedStep, float] | None = None
+        self._last_end = 0.0
         self.parent_pid = parent_pid  # stop when this process is no longer our parent
         self.peer_timeout_s = peer_timeout_s
         self.peer_seen = 0.0
@@ -203,17 +210,27 @@ class WorkerLoop:
         self.profiler = StepProfiler(out, runner.device) if out is not None else None
 
     def serve(self) -> int:
+        code = self._serve()
+        self.close_open_step()  # a stop or a shutdown: the step in progress is answered
+        return code
+
+    def _serve(self) -> int:
         while not self.stopping:
             if self.profiler is not None:
                 self.profiler.poll(getattr(self.runner, "num_steps", 0))
             if self.backlog:  # messages that arrived while a step waited for its deferred rows
                 identity, queued = self.backlog.popleft()
+                if not isinstance(queued, SchedulerOutput):
+                    self.close_open_step()
                 if isinstance(queued, Shutdown):
                     return EXIT_OK
                 self.dispatch(identity, queued)
                 continue
-            frames = self.chan.recv_frames(timeout_ms=200)
+            frames = self.poll_open() if self.open_step else self.chan.recv_frames(timeout_ms=200)
             if frames is None:
+                if self.open_step:
+                    self.close_open_step()  # its kernels are done and no step is waiting
+                    continue
                 if self.parent_pid is not None and os.getppid() != self.parent_pid:
                     log.warning("the scheduler that launched this worker is gone: stopping")
                     return EXIT_OK
@@ -225,15 +242,34 @@ class WorkerLoop:
             try:
                 msg = self.chan.codec.decode([f.buffer for f in frames[1:]])
             except ProtocolError as e:
+                self.close_open_step()
                 self.num_bad_messages += 1
                 log.warning("bad message from %r: %s", identity, e)
                 self.reply(identity, WorkerError(code=e.code, message=str(e)))
                 continue
+            if not (isinstance(msg, SchedulerOutput) and identity == self.peer):
+                self.close_open_step()  # only the peer's next step runs behind an open one
             if isinstance(msg, Shutdown):
                 log.info("shutdown requested: %s", msg.reason or "(no reason)")
                 return EXIT_OK
             self.dispatch(identity, msg)
         return EXIT_OK
+
+    def poll_open(self) -> list[zmq.Frame] | None:
+        """With a step open: the next message if one arrives before the step's kernels are done
+        (it is launched behind them), else None (the step is finished without waiting)."""
+        assert self.open_step is not None
+        launched = self.open_step[1]
+        while True:
+            frames = self.chan.recv_frames(timeout_ms=0)
+            if frames is not None or launched.ready():
+                return frames
+            time.sleep(OPEN_POLL_S)
+
+    def close_open_step(self) -> None:
+        if self.open_step is not None:
+            running, self.open_step = self.open_step, None
+            self.answer(*running)
 
     def check_peer(self) -> None:
         """A scheduler that holds requests keeps sending steps. Silence past the timeout means it
@@ -309,6 +345,12 @@ class WorkerLoop:
             )
 
     def step(self, identity: bytes, sched: SchedulerOutput) -> None:
+        """Launch the step; answer it at once, or (``--pipeline-steps``, a step with no drafts)
+        leave it open until the next message or the end of its kernels. A step launched while
+        the one before is open is launched first: that one is answered right after."""
+        if sched.deferred_req_ids:
+            self.close_open_step()  # its rows wait for the scheduler to read the open step's tokens
+        before, self.open_step = self.open_step, None
         t0 = time.perf_counter()
         try:
             if self.last_step_id is not None and sched.step_id <= self.last_step_id:
@@ -331,21 +373,37 @@ class WorkerLoop:
                     f"--max-num-batched-tokens {self.ready.max_num_batched_tokens}",
                     field="num_scheduled_tokens",
                 )
-            out, rejected = self.runner.execute(sched, self.wait_bitmask)
+            launched = self.runner.launch(sched, self.wait_bitmask, hold=self.pipeline)
         except StepError as e:
+            if before is not None:
+                self.answer(*before)
             log.warning("step %d refused: %s", sched.step_id, e)
             self.reply(identity, refusal(e, sched.step_id))
             return
+        if before is not None:
+            self.metrics.pipelined.inc()
+            self.answer(*before)
         self.last_step_id = sched.step_id
+        if launched.open:
+            self.open_step = (identity, launched, t0)
+        else:
+            self.answer(identity, launched, t0)
+
+    def answer(self, identity: bytes, launched: LaunchedStep, t0: float) -> None:
+        """A launched step finished: its refusals, its output, its drafts. Its time counts from
+        its launch or from the end of the step before, whichever is later (steps overlap)."""
+        out, rejected = self.runner.finish(launched)
         for err in rejected:
-            self.reply(identity, refusal(err, sched.step_id))
+            self.reply(identity, refusal(err, launched.sched.step_id))
         self.reply(identity, out)
+        now = time.perf_counter()
         self.metrics.record_step(
             out,
-            time.perf_counter() - t0,
+            now - max(t0, self._last_end),
             len(self.runner.states.slot_of),
             self.runner.target.kv_cache.blocks.num_free,
         )
+        self._last_end = now
         drafts = self.runner.take_draft_tokens()
         if drafts is not None:
             self.reply(identity, drafts)
@@ -509,6 +567,7 @@ def serve(
             metrics,
             peer_timeout_s=cfg.peer_timeout_s,
             parent_pid=cfg.parent_pid,
+            pipeline_steps=cfg.pipeline_steps,
         )
 
         def stop(signum: int, _frame: object) -> None:

@@ -79,6 +79,17 @@ class BroadcastRunner:
         sched: SchedulerOutput,
         wait_bitmask: Callable[[int], StepBitmask] | None = None,
     ) -> Any:
+        return self._runner.finish(self.launch(sched, wait_bitmask))
+
+    def launch(
+        self,
+        sched: SchedulerOutput,
+        wait_bitmask: Callable[[int], StepBitmask] | None = None,
+        *,
+        hold: bool = False,
+    ) -> Any:
+        """The step goes to every rank first. ``hold`` is not taken: every rank runs each step
+        to its end, as the followers do."""
         _send(OP_STEP, _pack(self._codec.encode(sched)), self._device)
         relay = None
         if wait_bitmask is not None:
@@ -94,7 +105,7 @@ class BroadcastRunner:
                 _send(OP_BITMASK, _pack(self._codec.encode(msg)), self._device)
                 return msg
 
-        return self._runner.execute(sched, relay)
+        return self._runner.launch(sched, relay)
 
     def reset(self) -> None:
         _send(OP_RESET, b"", self._device)

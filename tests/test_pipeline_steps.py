@@ -1,0 +1,237 @@
+"""``--pipeline-steps``: a step with no drafts is left open (its sampled tokens on the device) and
+the next step is launched before it is finished, its layout reading those tokens on the device.
+Lossless like every other path: in process, steps interleaved by hand as the worker's loop does
+(requests leaving and their slots taken while a step is open); then through two real processes
+with overlap scheduling, against the same engine without the flag (CPU, float32, tiny models)."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import numpy as np
+import pytest
+
+from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
+from scheduler_client import Engine
+from tests.models import greedy_reference, reference_copy, tiny_model
+from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
+from worker.drafters.base import NoDrafter
+from worker.model_executor import ModelExecutor
+from worker.runner import LaunchedStep, ModelRunner
+
+MAX_LEN = 64
+
+
+def runner(seed: int = 11, max_num_seqs: int = 2) -> ModelRunner:
+    return ModelRunner(
+        ModelExecutor(tiny_model("llama", seed), max_num_seqs=max_num_seqs, max_model_len=MAX_LEN),
+        NoDrafter(),
+        max_num_seqs=max_num_seqs,
+        max_model_len=MAX_LEN,
+        max_num_draft_tokens=0,
+    )
+
+
+def new(req_id: str, prompt: list[int], **sampling: object) -> NewRequest:
+    return NewRequest(req_id, np.array(prompt, np.int32), SamplingParams(**sampling), 0)  # type: ignore[arg-type]
+
+
+def sched(
+    step_id: int,
+    counts: dict[str, int],
+    new_requests: list[NewRequest] = (),  # type: ignore[assignment]
+    finished: list[str] = (),  # type: ignore[assignment]
+) -> SchedulerOutput:
+    n = len(counts)
+    return SchedulerOutput(
+        step_id=step_id,
+        new_requests=list(new_requests),
+        req_ids=list(counts),
+        num_scheduled_tokens=np.array(list(counts.values()), np.int32),
+        num_draft_tokens=np.zeros(n, np.int32),
+        draft_token_ids=np.zeros(0, np.int32),
+        finished_req_ids=list(finished),
+        aborted_req_ids=[],
+        structured_req_ids=[],
+    )
+
+
+class Overlapped:
+    """Drives a runner as the worker's loop does with --pipeline-steps and a scheduler that sends
+    step n + 1 before step n's output: launch n + 1 (held), then finish n."""
+
+    def __init__(self, r: ModelRunner) -> None:
+        self.r = r
+        self.open: LaunchedStep | None = None
+        self.out: dict[str, list[int]] = {}
+        self.pipelined = 0
+
+    def step(self, s: SchedulerOutput) -> None:
+        launched = self.r.launch(s, hold=True)
+        if self.open is not None:
+            self.pipelined += 1
+            self.take(self.open)
+        self.open = launched if launched.open else None
+        if not launched.open:
+            self.take(launched)
+
+    def drain(self) -> None:
+        if self.open is not None:
+            self.take(self.open)
+            self.open = None
+
+    def take(self, launched: LaunchedStep) -> None:
+        out, rejected = self.r.finish(launched)
+        assert not rejected
+        flat = out.sampled_token_ids.tolist()
+        off = 0
+        for req_id, n in zip(out.req_ids, out.num_sampled.tolist(), strict=True):
+            self.out.setdefault(req_id, []).extend(flat[off : off + n])
+            off += n
+
+
+def test_open_steps_greedy_equals_target_greedy() -> None:
+    """Two requests decode with every step launched behind an open one; "a" leaves while a step
+    is open and "c" takes its slot in the same step (its prompt must not receive a's token)."""
+    model_ref = reference_copy(tiny_model("llama", 11))
+    pa, pb, pc = [3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1, 2, 3, 1, 2, 3, 1, 2, 5, 6, 7, 8, 9, 4]
+    drv = Overlapped(runner())
+    drv.step(sched(0, {"a": len(pa), "b": len(pb)}, [new("a", pa), new("b", pb)]))
+    for i in range(1, 6):
+        drv.step(sched(i, {"a": 1, "b": 1}))
+    # a's sixth token is still open on the device when this step lets it go and admits c
+    drv.step(sched(6, {"b": 1, "c": len(pc)}, [new("c", pc)], finished=["a"]))
+    for i in range(7, 14):
+        drv.step(sched(i, {"b": 1, "c": 1}))
+    drv.drain()
+    assert drv.pipelined == 13
+    # the scheduler drops the token a sampled in the step it was let go in (step 6)
+    assert drv.out["a"][:6] == greedy_reference(model_ref, pa, 6)
+    assert drv.out["b"] == greedy_reference(model_ref, pb, 14)
+    assert drv.out["c"] == greedy_reference(model_ref, pc, 8)
+    # a's open token (position 10) was read back after c took the slot: it went nowhere
+    st = drv.r.states
+    assert st.tokens(st.slot_of["c"]).tolist() == pc + drv.out["c"]
+    assert st.tokens(st.slot_of["b"]).tolist() == pb + drv.out["b"]
+
+
+def test_open_steps_sampled_equal_closed_steps() -> None:
+    """Seeded sampled requests draw the same tokens whether their steps are left open or not,
+    and a request at its length limit samples past it without a write out of bounds."""
+
+    def run(hold: bool) -> dict[str, list[int]]:
+        r = runner(12)
+        drv = Overlapped(r)
+        long = list(range(1, MAX_LEN - 3))  # three tokens of room
+        reqs = [new("s", [5, 6, 7], temperature=0.9, seed=3), new("g", long)]
+        first = sched(0, {"s": 3, "g": len(long)}, reqs)
+        steps = [first, *(sched(i, {"s": 1, "g": 1}) for i in range(1, 4))]
+        steps += [sched(i, {"s": 1}, finished=["g"] if i == 4 else []) for i in range(4, 9)]
+        for s in steps:
+            if hold:
+                drv.step(s)
+            else:
+                drv.take(r.launch(s))
+        drv.drain()
+        assert drv.pipelined == (8 if hold else 0)
+        return drv.out
+
+    open_, closed = run(True), run(False)
+    assert open_ == closed
+    assert len(open_["s"]) == 9 and len(open_["g"]) == 4
+
+
+def test_a_step_with_drafts_is_never_left_open() -> None:
+    """A drafter proposes from committed tokens: with one, no step is held."""
+    from worker.drafters.ngram import NgramDrafter
+
+    r = ModelRunner(
+        ModelExecutor(tiny_model("llama", 13), max_num_seqs=1, max_model_len=MAX_LEN),
+        NgramDrafter(min_n=1, max_n=2, max_num_tokens=2),
+        max_num_seqs=1,
+        max_model_len=MAX_LEN,
+        max_num_draft_tokens=2,
+    )
+    assert not r.can_hold
+    launched = r.launch(sched(0, {"a": 4}, [new("a", [1, 2, 1, 2])]), hold=True)
+    assert not launched.open
+    out, _ = r.finish(launched)
+    assert out.num_sampled.tolist() == [1]
+
+
+# -- through two processes ---------------------------------------------------------------------
+
+
+def worker_metric(log: Path, name: str) -> float:
+    """One counter of a launched worker's /metrics (its port is in its log)."""
+    deadline = time.monotonic() + 30
+    while not (m := re.search(r"Prometheus metrics on :(\d+)/metrics", log.read_text())):
+        assert time.monotonic() < deadline, "the worker never logged its metrics port"
+        time.sleep(0.1)
+    with urllib.request.urlopen(f"http://127.0.0.1:{m.group(1)}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return float(re.search(rf"^{name} (\S+)$", text, re.M).group(1))  # type: ignore[union-attr]
+
+
+@pytest.fixture(scope="module")
+def pair(
+    target_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Engine, Engine, Path]]:
+    log = tmp_path_factory.mktemp("pipelined") / "worker.log"
+    flags = ("--pipeline-steps", "--metrics-port", "-1")
+    plain, piped = started_together(
+        lambda: engine(target_dir, "none", async_scheduling=True),
+        lambda: engine(
+            target_dir, "none", async_scheduling=True, worker_args=flags, worker_log=str(log)
+        ),
+    )
+    yield plain, piped, log
+    plain.close()
+    piped.close()
+
+
+def test_pipelined_worker_greedy_equals_target_greedy(pair: tuple[Engine, Engine, Path]) -> None:
+    _, piped, log = pair
+    ref = reference_copy(tiny_model("llama", SEED, vocab=259))
+    ps = prompts(8)
+    reqs = piped.generate(
+        [{"prompt": p, "max_tokens": 9 + 4 * i, "ignore_eos": True} for i, p in enumerate(ps)]
+    )
+    for i, (r, p) in enumerate(zip(reqs, ps, strict=True)):
+        assert r.error is None, r.error
+        assert r.output_ids == greedy_reference(ref, p, 9 + 4 * i), r.req_id
+    assert not piped.scheduler.steps and not piped.in_flight
+    assert worker_metric(log, "specd_worker_pipelined_steps_total") > 0
+
+
+def test_pipelined_worker_structured_and_sampled_equal_the_plain_one(
+    pair: tuple[Engine, Engine, Path],
+) -> None:
+    """Structured greedy requests (their rows deferred: the open step is finished first), seeded
+    sampled ones, and plain ones side by side: the same tokens with and without the flag."""
+    plain, piped, _ = pair
+    ps = prompts(6)
+    chat = [{"role": "user", "content": "json please"}]
+    bodies = [
+        {"messages": chat, "max_tokens": 160, "structured": {"json": SCHEMAS[0]}},
+        {"messages": chat, "max_tokens": 160, "structured": {"json": SCHEMAS[1]}},
+        {"prompt": ps[2], "max_tokens": 16, "temperature": 0.8, "seed": 7, "ignore_eos": True},
+        {"prompt": ps[3], "max_tokens": 16, "temperature": 1.0, "top_k": 5, "seed": 8},
+        {"prompt": ps[4], "max_tokens": 12, "ignore_eos": True},
+        {"prompt": ps[5], "max_tokens": 20, "ignore_eos": True},
+    ]
+    before = piped.num_deferred_bitmasks
+    a = plain.generate([dict(b) for b in bodies])
+    b = piped.generate([dict(b) for b in bodies])
+    for x, y, body in zip(a, b, bodies, strict=True):
+        assert x.error is None and y.error is None, (x.error, y.error)
+        assert x.output_ids == y.output_ids, body
+        if "structured" in body:
+            jsonschema.validate(json.loads(y.text), body["structured"]["json"])  # type: ignore[index]
+    assert piped.num_deferred_bitmasks > before, "no structured step was deferred"
