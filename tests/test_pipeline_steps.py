@@ -71,6 +71,7 @@ class Overlapped:
         self.open: LaunchedStep | None = None
         self.out: dict[str, list[int]] = {}
         self.pipelined = 0
+        self.drafts: list[tuple[int, list[str], list[int]]] = []  # step, samplers, committed
 
     def step(self, s: SchedulerOutput) -> None:
         launched = self.r.launch(s, hold=True)
@@ -89,6 +90,16 @@ class Overlapped:
     def take(self, launched: LaunchedStep) -> None:
         out, rejected = self.r.finish(launched)
         assert not rejected
+        # the scheduler waits for a DraftTokenIds after every output that sampled: each sampler
+        # listed, with its committed length after this step (whoever left since)
+        drafts = self.r.take_draft_tokens()
+        samplers = [r for r, n in zip(out.req_ids, out.num_sampled.tolist(), strict=True) if n]
+        if samplers:
+            assert drafts is not None and drafts.step_id == out.step_id
+            assert list(drafts.req_ids) == samplers
+            self.drafts.append((drafts.step_id, samplers, drafts.num_committed_tokens.tolist()))
+        else:
+            assert drafts is None
         flat = out.sampled_token_ids.tolist()
         off = 0
         for req_id, n in zip(out.req_ids, out.num_sampled.tolist(), strict=True):
@@ -115,6 +126,8 @@ def test_open_steps_greedy_equals_target_greedy() -> None:
     assert drv.out["a"][:6] == greedy_reference(model_ref, pa, 6)
     assert drv.out["b"] == greedy_reference(model_ref, pb, 14)
     assert drv.out["c"] == greedy_reference(model_ref, pc, 8)
+    # step 5's DraftTokenIds, answered after step 6 let a go, still lists a at its length
+    assert drv.drafts[5] == (5, ["a", "b"], [len(pa) + 6, len(pb) + 6])
     # a's open token (position 10) was read back after c took the slot: it went nowhere
     st = drv.r.states
     assert st.tokens(st.slot_of["c"]).tolist() == pc + drv.out["c"]
@@ -125,7 +138,7 @@ def test_open_steps_sampled_equal_closed_steps() -> None:
     """Seeded sampled requests draw the same tokens whether their steps are left open or not,
     and a request at its length limit samples past it without a write out of bounds."""
 
-    def run(hold: bool) -> dict[str, list[int]]:
+    def run(hold: bool) -> tuple[dict[str, list[int]], list[tuple[int, list[str], list[int]]]]:
         r = runner(12)
         drv = Overlapped(r)
         long = list(range(1, MAX_LEN - 3))  # three tokens of room
@@ -140,10 +153,11 @@ def test_open_steps_sampled_equal_closed_steps() -> None:
                 drv.take(r.launch(s))
         drv.drain()
         assert drv.pipelined == (8 if hold else 0)
-        return drv.out
+        return drv.out, drv.drafts
 
-    open_, closed = run(True), run(False)
+    (open_, open_drafts), (closed, closed_drafts) = run(True), run(False)
     assert open_ == closed
+    assert open_drafts == closed_drafts  # g's last, read back after g left, listed all the same
     assert len(open_["s"]) == 9 and len(open_["g"]) == 4
 
 
@@ -208,6 +222,19 @@ def test_pipelined_worker_greedy_equals_target_greedy(pair: tuple[Engine, Engine
         assert r.output_ids == greedy_reference(ref, p, 9 + 4 * i), r.req_id
     assert not piped.scheduler.steps and not piped.in_flight
     assert worker_metric(log, "specd_worker_pipelined_steps_total") > 0
+    # a lone request that ends on a stop token: the step after its last is let go in the step
+    # after that, while it may still be open; its drafts message must come all the same (a
+    # missing one stalled the scheduler for the step timeout, then restarted the worker)
+    j, first, t = next(
+        (j, r.output_ids, x)
+        for j, r in enumerate(reqs)
+        for i, x in enumerate(r.output_ids)
+        if i >= 3 and x not in r.output_ids[:i]
+    )
+    body = {"prompt": ps[j], "max_tokens": len(first), "ignore_eos": True, "stop_token_ids": [t]}
+    (stopped,) = piped.generate([body])
+    assert stopped.finish_reason == "stop" and stopped.output_ids == first[: first.index(t)]
+    assert piped.num_worker_restarts == 0
 
 
 def test_pipelined_worker_structured_and_sampled_equal_the_plain_one(

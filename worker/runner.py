@@ -49,6 +49,7 @@ class LaunchedStep:
     num_accepted: np.ndarray | None = None  # [S]
     num_sampled: list[int] = field(default_factory=list)  # [B]
     generations: list[int] = field(default_factory=list)  # [B] each slot's at launch
+    committed: list[int] = field(default_factory=list)  # [S] each sampler's length after it
     open: bool = False
     device_tokens: torch.Tensor | None = None
     owners: list[tuple[int, int, int]] = field(default_factory=list)
@@ -65,7 +66,7 @@ class LaunchedStep:
         self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
         self._host.copy_(sampled, non_blocking=True)
         self._copied = torch.cuda.Event(blocking=True)  # waited for by sleeping, not spinning
-        self._copied.record()
+        self._copied.record(torch.cuda.current_stream(sampled.device))
 
     def ready(self) -> bool:
         """True once the step's kernels and its tokens' copy have run (finishing won't wait)."""
@@ -198,6 +199,7 @@ class ModelRunner:
             num_accepted[j] = min(int(num_accepted[j]), cap)
         step.num_sampled = self.commit(batch, tokens, num_accepted)
         step.tokens, step.num_accepted = tokens, num_accepted
+        step.committed = self.states.num_tokens[[batch.slots[i] for i in batch.sample_idx]].tolist()
         if self.drafter.needs_hidden_states:
             self.feed_hidden_states(batch, hidden, num_accepted)
         return step
@@ -221,7 +223,7 @@ class ModelRunner:
                 step.sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
             ), step.rejected
         assert step.tokens is not None and step.num_accepted is not None
-        self.propose_drafts(batch, step.sched.max_draft_proposals, step.generations)
+        self.propose_drafts(batch, step.sched.max_draft_proposals, step.generations, step.committed)
         self.num_steps += 1
         return self.output(
             step.sched.step_id, batch, step.tokens, step.num_sampled, step.num_accepted
@@ -252,6 +254,7 @@ class ModelRunner:
             room = n < st.max_model_len  # as ``RequestStates.append``: past the end, not kept
             st.num_tokens[slot] = n + room
             step.owners.append((slot, int(st.generation[slot]), n if room else -1))
+            step.committed.append(n + room)
             num_sampled[i] = 1
         self._trim(batch)
         step.num_sampled = num_sampled
@@ -447,42 +450,65 @@ class ModelRunner:
         )
 
     def propose_drafts(
-        self, batch: StepBatch, cap: int = -1, generations: list[int] | None = None
+        self,
+        batch: StepBatch,
+        cap: int = -1,
+        generations: list[int] | None = None,
+        committed: list[int] | None = None,
     ) -> None:
         """Drafts for every request that sampled: at most its own width, the room left in its
-        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap). With
-        ``generations`` (each slot's at launch), a request that left since gets none."""
+        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap).
+
+        Every request that sampled is listed in the step's ``DraftTokenIds`` (the scheduler
+        waits for it after an output that sampled), with ``committed`` [S] its length after this
+        step (default: its length now). With ``generations`` [B] (each slot's at launch) a
+        request that left since, while its step was open, is listed with width 0 and its slot is
+        not touched (only an open step sees this, and a step is held only without a drafter)."""
         st = self.states
         sampled = batch.sample_idx
-        if generations is not None:
-            sampled = [i for i in sampled if st.generation[batch.slots[i]] == generations[i]]
-        slots = [batch.slots[i] for i in sampled]
         req_ids = [batch.req_ids[i] for i in sampled]
+        slots = [batch.slots[i] for i in sampled]
+        here = [
+            generations is None or st.generation[batch.slots[i]] == generations[i] for i in sampled
+        ]
+        live = [s for s, ok in zip(slots, here, strict=True) if ok]
         widths = [
-            int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in slots
+            int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in live
         ]
         if cap >= 0:
             widths = [min(w, cap) for w in widths]
         self._last_probs, self._last_row_of = None, {}
-        if not slots:
+        if not sampled:
             return
-        proposal = self.drafter.propose(st, slots, widths)
-        num = np.asarray(proposal.num_drafts, np.int64)
-        st.num_drafts[slots] = num
-        if num.any():
-            # one scatter for the batch; columns past a request's num_drafts are never read
-            width = min(proposal.token_ids.shape[1], st.draft_token_ids.shape[1])
-            index = to_device(slots, self.device)
-            st.draft_token_ids[index, :width] = proposal.token_ids[:, :width]
-        if proposal.probs is not None:
-            self._last_probs = proposal.probs
-            self._last_row_of = {s: j for j, s in enumerate(slots)}
+        num = np.zeros(len(slots), np.int64)
+        structured = np.zeros(len(slots), bool)
+        tokens = torch.zeros((len(slots), 1), dtype=torch.long, device=self.device)
+        if live:
+            proposal = self.drafter.propose(st, live, widths)
+            live_num = np.asarray(proposal.num_drafts, np.int64)
+            st.num_drafts[live] = live_num
+            if live_num.any():
+                # one scatter for the batch; columns past a request's num_drafts are never read
+                width = min(proposal.token_ids.shape[1], st.draft_token_ids.shape[1])
+                index = to_device(live, self.device)
+                st.draft_token_ids[index, :width] = proposal.token_ids[:, :width]
+            if proposal.probs is not None:
+                self._last_probs = proposal.probs
+                self._last_row_of = {s: j for j, s in enumerate(live)}
+            rows = np.flatnonzero(here)
+            num[rows] = live_num
+            structured[rows] = st.structured[live]
+            if len(live) == len(slots):
+                tokens = proposal.token_ids
+            else:
+                tokens = proposal.token_ids.new_zeros((len(slots), proposal.token_ids.shape[1]))
+                tokens[to_device(rows, self.device)] = proposal.token_ids
         self.draft_tokens.set_draft_tokens(
             req_ids,
-            proposal.token_ids,
+            tokens,
             num,
-            st.num_tokens[slots],
-            st.structured[slots],
+            np.asarray(committed if committed is not None else st.num_tokens[slots], np.int64),
+            structured,
         )
 
     def output(

@@ -8,6 +8,7 @@ logged, reported to the scheduler with ``fatal=True``, and the process exits 1).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -62,6 +63,10 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     device = torch.device(cfg.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if cfg.tensor_parallel_size > 1 and device.type == "cuda":
         device = torch.device("cuda", cfg.tp_rank)  # one GPU per rank
+    if device.type == "cuda" and device.index is not None:
+        # events and streams made without a device (the graphs' copies, an open step's tokens)
+        # belong to the current one: on --device cuda:N it must be N
+        torch.cuda.set_device(device)
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else None
     invariant = cfg.batch_invariant or ("pad" if device.type == "cuda" else "off")
     t0 = time.monotonic()
@@ -192,7 +197,7 @@ class WorkerLoop:
         # --pipeline-steps: a step with no drafts is left open (its tokens on the device) while
         # the next step, when it has already arrived, is launched behind it (ModelRunner.launch)
         self.pipeline = pipeline_steps and isinstance(runner, ModelRunner) and runner.can_hold
-        self.open_step: tuple[bytes, LaunchedStep, float] | None = None
+        self.open_step: tuple[bytes, LaunchedStep, float, int, int] | None = None
         self._last_end = 0.0
         self.parent_pid = parent_pid  # stop when this process is no longer our parent
         self.peer_timeout_s = peer_timeout_s
@@ -380,16 +385,31 @@ class WorkerLoop:
             log.warning("step %d refused: %s", sched.step_id, e)
             self.reply(identity, refusal(e, sched.step_id))
             return
+        except Exception:
+            if before is not None:  # the open step's tokens still reach the scheduler first
+                with contextlib.suppress(Exception):
+                    self.answer(*before)
+            raise
+        # what the step leaves behind, for its metrics (a later step may run before it is read)
+        running = (
+            identity,
+            launched,
+            t0,
+            len(self.runner.states.slot_of),
+            self.runner.target.kv_cache.blocks.num_free,
+        )
         if before is not None:
             self.metrics.pipelined.inc()
             self.answer(*before)
         self.last_step_id = sched.step_id
         if launched.open:
-            self.open_step = (identity, launched, t0)
+            self.open_step = running
         else:
-            self.answer(identity, launched, t0)
+            self.answer(*running)
 
-    def answer(self, identity: bytes, launched: LaunchedStep, t0: float) -> None:
+    def answer(
+        self, identity: bytes, launched: LaunchedStep, t0: float, num_running: int, kv_free: int
+    ) -> None:
         """A launched step finished: its refusals, its output, its drafts. Its time counts from
         its launch or from the end of the step before, whichever is later (steps overlap)."""
         out, rejected = self.runner.finish(launched)
@@ -397,12 +417,7 @@ class WorkerLoop:
             self.reply(identity, refusal(err, launched.sched.step_id))
         self.reply(identity, out)
         now = time.perf_counter()
-        self.metrics.record_step(
-            out,
-            now - max(t0, self._last_end),
-            len(self.runner.states.slot_of),
-            self.runner.target.kv_cache.blocks.num_free,
-        )
+        self.metrics.record_step(out, now - max(t0, self._last_end), num_running, kv_free)
         self._last_end = now
         drafts = self.runner.take_draft_tokens()
         if drafts is not None:
