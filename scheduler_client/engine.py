@@ -278,8 +278,9 @@ class Engine:
 
     def _step(self) -> list[Request]:
         """Receive one step's output. In sync mode the step is scheduled and sent first; with
-        overlap (``async_scheduling``) the next step is sent before this one's output is read,
-        and its deferred grammar rows follow once this one's tokens are committed."""
+        overlap (``async_scheduling``) the next steps (up to ``max_steps_in_flight`` in all) are
+        sent before this one's output is read, and the deferred grammar rows of the next follow
+        once this one's tokens are committed."""
         sch = self.scheduler
         ended, self._ended = self._ended, []
         try:
@@ -290,10 +291,15 @@ class Engine:
                 self._send(sched)
                 if not self.in_flight:  # it could not be sent: its culprits are ended
                     return ended + self._take_ended()
-            if self.overlap and len(self.in_flight) == 1:
+            depth = sch.config.max_steps_in_flight
+            while self.overlap and 0 < len(self.in_flight) < depth:
                 nxt = sch.schedule()
-                if nxt is not None:
-                    self._send(nxt)
+                if nxt is None:
+                    break
+                sent = len(self.in_flight)
+                self._send(nxt)
+                if len(self.in_flight) == sent:  # it could not be sent (its culprits ended)
+                    break
             cur = self.in_flight.popleft()
             if cur.step_id in self._lost:
                 names, message = self._lost.pop(cur.step_id)

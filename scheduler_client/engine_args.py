@@ -70,6 +70,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         "(structured greedy requests get their grammar rows in a deferred message)",
     )
     ap.add_argument(
+        "--max-steps-in-flight",
+        type=int,
+        default=2,
+        help="with --async-scheduling: the most steps sent before the oldest one's output "
+        "arrives (2: the next step; 3 gives a worker with --pipeline-steps the step after that "
+        "while the scheduler commits; 2..4)",
+    )
+    ap.add_argument(
         "--no-adaptive-speculation",
         action="store_true",
         help="always verify every draft (default: choose the width from measured goodput)",
@@ -130,6 +138,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=a.max_num_batched_tokens,
             forced_drafts=not a.no_forced_drafts,
             async_scheduling=a.async_scheduling,
+            max_steps_in_flight=a.max_steps_in_flight,
             adaptive_speculation=not a.no_adaptive_speculation,
             kv_watermark=a.kv_watermark,
         ),

@@ -53,6 +53,10 @@ class SchedulerConfig:
     # overlap (async) scheduling: the next step is sent before this one's output arrives, with
     # draft widths as caps and structured greedy requests' bitmasks deferred (StepBitmask)
     async_scheduling: bool = False
+    # with overlap: the most steps sent whose output has not arrived (2: the next step is sent
+    # before this one's output; 3: a worker with --pipeline-steps has the step after that too
+    # while the scheduler commits)
+    max_steps_in_flight: int = 2
     # the share of the KV blocks a new request may not take when admitted (vLLM's watermark):
     # growth room for the running ones. Admitted to the last block, every request's next token
     # preempted the newest; at 8192 x 4 slots of blocks and ~1k-token requests, 0 gave 269
@@ -66,6 +70,8 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= 1 (or None: the worker's)")
         if self.max_prefill_chunk < 1:
             raise ValueError("max_prefill_chunk must be >= 1")
+        if not 2 <= self.max_steps_in_flight <= 4:
+            raise ValueError("--max-steps-in-flight must be between 2 and 4")
         if not 0 <= self.kv_watermark < 1:
             raise ValueError("--kv-watermark must be >= 0 and < 1")
 
@@ -133,7 +139,7 @@ class Scheduler:
         self.step_id = 0
         self.last_done_step = -1
         # step_id -> ((tokens, drafts) per request, the requests it samples) for steps sent whose
-        # output has not arrived: one in sync mode, up to two with overlap
+        # output has not arrived: one in sync mode, up to max_steps_in_flight with overlap
         self.steps: dict[int, tuple[dict[str, tuple[int, int]], set[str]]] = {}
         self.metrics = RequestMetrics()
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters

@@ -121,12 +121,15 @@ def test_overlap_sampled_structured_waits_for_its_rows(pair: tuple[Engine, Engin
     jsonschema.validate(json.loads(reqs[0].text), schema)
 
 
-def test_a_refused_step_with_the_next_already_queued_loses_nothing(target_dir: Path) -> None:
-    """The worker refuses step n (a request it does not hold, injected) while step n+1 is already
-    queued behind it: the scheduler settles step n's books, step n+1 runs on the worker's own state,
-    and every output still equals target-only greedy."""
+@pytest.mark.parametrize("depth", [2, 3])
+def test_a_refused_step_with_the_next_already_queued_loses_nothing(
+    target_dir: Path, depth: int
+) -> None:
+    """The worker refuses step n (a request it does not hold, injected) while step n+1 (and with
+    depth 3, n+2) is already queued behind it: the scheduler settles step n's books, the later
+    steps run on the worker's own state, and every output still equals target-only greedy."""
     ref = reference_copy(tiny_model("llama", SEED, vocab=259))
-    eng = engine(target_dir, "ngram", async_scheduling=True)
+    eng = engine(target_dir, "ngram", async_scheduling=True, max_steps_in_flight=depth)
     try:
         real = eng.scheduler.schedule
         calls = [0]

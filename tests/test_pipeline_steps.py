@@ -262,3 +262,74 @@ def test_pipelined_worker_structured_and_sampled_equal_the_plain_one(
         if "structured" in body:
             jsonschema.validate(json.loads(y.text), body["structured"]["json"])  # type: ignore[index]
     assert piped.num_deferred_bitmasks > before, "no structured step was deferred"
+
+
+# -- three steps in flight (--max-steps-in-flight 3) -------------------------------------------
+
+
+@pytest.fixture(scope="module", params=["none", "ngram"])
+def deep(
+    request: pytest.FixtureRequest, target_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Engine, Engine, Path]]:
+    """A sync engine and one with three steps in flight (the worker pipelined where it can)."""
+    log = tmp_path_factory.mktemp("deep") / "worker.log"
+    flags = ("--pipeline-steps", "--metrics-port", "-1")
+    sync, deep3 = started_together(
+        lambda: engine(target_dir, request.param),
+        lambda: engine(
+            target_dir,
+            request.param,
+            async_scheduling=True,
+            max_steps_in_flight=3,
+            worker_args=flags,
+            worker_log=str(log),
+        ),
+    )
+    yield sync, deep3, log
+    sync.close()
+    deep3.close()
+
+
+def test_three_steps_in_flight_greedy_equals_target_greedy(
+    deep: tuple[Engine, Engine, Path],
+) -> None:
+    _, deep3, log = deep
+    ref = reference_copy(tiny_model("llama", SEED, vocab=259))
+    ps = prompts(8)
+    reqs = deep3.generate(
+        [
+            {
+                "prompt": p,
+                "max_tokens": 7 + 5 * i,  # finishing at different steps while two are in flight
+                "ignore_eos": True,
+                "num_speculative_tokens": i % 5,
+            }
+            for i, p in enumerate(ps)
+        ]
+    )
+    for i, (r, p) in enumerate(zip(reqs, ps, strict=True)):
+        assert r.error is None, r.error
+        assert r.output_ids == greedy_reference(ref, p, 7 + 5 * i), r.req_id
+    assert not deep3.scheduler.steps and not deep3.in_flight
+    assert deep3.num_worker_restarts == 0
+    if deep3.config.drafter == "none":
+        assert worker_metric(log, "specd_worker_pipelined_steps_total") > 0
+
+
+def test_three_steps_in_flight_structured_greedy_equals_sync(
+    deep: tuple[Engine, Engine, Path],
+) -> None:
+    sync, deep3, _ = deep
+    chat = [{"role": "user", "content": "json please"}]
+    work = [{"messages": chat, "max_tokens": 160, "structured": {"json": s}} for s in SCHEMAS]
+    work += [{"prompt": prompts(1)[0], "max_tokens": 40, "ignore_eos": True}]
+    before = deep3.num_deferred_bitmasks
+    want = sync.generate([dict(w) for w in work])
+    got = deep3.generate([dict(w) for w in work])
+    for w, s, o in zip(work, want, got, strict=True):
+        assert o.error is None, o.error
+        assert o.output_ids == s.output_ids
+        if "structured" in w:
+            jsonschema.validate(json.loads(o.text), w["structured"]["json"])  # type: ignore[index]
+    assert deep3.num_deferred_bitmasks > before, "no structured step was deferred"
+    assert deep3.num_worker_restarts == 0

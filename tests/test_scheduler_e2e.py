@@ -30,6 +30,7 @@ def engine(
     *,
     async_scheduling: bool = False,
     adaptive_speculation: bool = True,
+    max_steps_in_flight: int = 2,
     **kw: object,
 ) -> Engine:
     return Engine(
@@ -47,6 +48,7 @@ def engine(
                 max_prefill_chunk=48,
                 async_scheduling=async_scheduling,
                 adaptive_speculation=adaptive_speculation,
+                max_steps_in_flight=max_steps_in_flight,
             ),
             step_timeout_s=60,
             **kw,  # type: ignore[arg-type]
