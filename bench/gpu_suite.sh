@@ -22,7 +22,9 @@
 #   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py),
 #   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
 #   --load-format dummy), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
-#   SERVE_ARGS (more flags for serve_bench.py), HOSTILE_COUNT (10000), MIXED_MODELS ("smollm2 1b"),
+#   SERVE_ARGS (more flags for serve_bench.py), SERVE_SCHED_ARGS (its --scheduler-args, one
+#   string, e.g. "--max-steps-in-flight 3"; with SERVE_ARGS="--modes overlap pipelined" the
+#   worker's --pipeline-steps against overlap alone), HOSTILE_COUNT (10000), MIXED_MODELS ("smollm2 1b"),
 #   MIXED_BATCHES ("1 8 64"), MIXED_ARGS ("--chunks 64 128 256 --profile 12": chunk sizes, and the
 #   kernel breakdown of each step); SPECD_ATTENTION_BACKEND (auto) reaches every worker it starts. The serve stage needs only the .whl wheels.
 set -uo pipefail
@@ -137,6 +139,7 @@ if has serve; then
     python3 bench/serve_bench.py "${src[@]}" --device cuda --dtype bfloat16 \
       --concurrencies ${SERVE_CONC:-1 8 32 64} --rate ${SERVE_RATE:-8} \
       --num-requests ${SERVE_REQUESTS:-128} --max-tokens ${MAX_TOKENS:-128} ${SERVE_ARGS:-} \
+      --scheduler-args "${SERVE_SCHED_ARGS:-}" \
       --log-dir "$OUT/serve_logs_$m" --json-out "$OUT/serve_$m.json" > "$OUT/serve_$m.log" 2>&1
     grep "^|" "$OUT/serve_$m.log" || tail -5 "$OUT/serve_$m.log"
   done
