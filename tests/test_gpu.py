@@ -71,37 +71,23 @@ def test_capturing_every_shape_keeps_the_kv_cache_out_of_autograd() -> None:
 
 @pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
 def test_cuda_fp32_open_steps_greedy_equals_target_greedy(graphs: bool) -> None:
-    """--pipeline-steps on the device: each step is launched behind an open one (its tokens read
-    on the device, their copy to pinned memory behind the kernels, an event per step), with a
-    request arriving mid-way (a mixed step) and one leaving while its last token is open."""
-    from tests.test_pipeline_steps import Overlapped, new, sched
+    """--pipeline-steps on the device: each step launched behind an open one (its tokens read on
+    the device, their copy to pinned memory behind the kernels, an event per step), through a
+    mixed step and a slot taken while a step is open (tests/test_pipeline_steps.py)."""
+    from tests.test_pipeline_steps import run_arrivals_and_a_taken_slot
     from worker.drafters.base import NoDrafter
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    dev = torch.device("cuda")
     target = tiny_model("llama", seed=22)
     ref = reference_copy(target).eval()
     runner = ModelRunner(
-        ModelExecutor(target.to(dev), max_num_seqs=2, max_model_len=128, cuda_graphs=graphs),
+        ModelExecutor(
+            target.to(torch.device("cuda")), max_num_seqs=2, max_model_len=128, cuda_graphs=graphs
+        ),
         NoDrafter(),
         max_num_seqs=2,
         max_model_len=128,
         max_num_draft_tokens=0,
     )
-    pa, pb, pc = [3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1, 2, 3, 1, 2, 3, 1, 2, 5, 6, 7, 8]
-    drv = Overlapped(runner)
-    drv.step(sched(0, {"a": len(pa)}, [new("a", pa)]))
-    drv.step(sched(1, {"a": 1, "b": len(pb)}, [new("b", pb)]))  # a decodes beside b's prefill
-    for i in range(2, 8):
-        drv.step(sched(i, {"a": 1, "b": 1}))
-    drv.step(sched(8, {"b": 1, "c": len(pc)}, [new("c", pc)], finished=["a"]))
-    for i in range(9, 20):
-        drv.step(sched(i, {"b": 1, "c": 1}))
-    drv.drain()
-    assert drv.pipelined == 19
-    assert drv.out["a"][:8] == greedy_reference(ref, pa, 8)
-    assert drv.out["b"] == greedy_reference(ref, pb, 19)
-    assert drv.out["c"] == greedy_reference(ref, pc, 12)
-    st = runner.states
-    assert st.tokens(st.slot_of["c"]).tolist() == pc + drv.out["c"]
+    run_arrivals_and_a_taken_slot(runner, ref)

@@ -33,17 +33,16 @@ def pair(
     over.close()
 
 
-@pytest.mark.parametrize("batch", [1, 8])
-def test_overlap_greedy_equals_target_greedy(pair: tuple[Engine, Engine], batch: int) -> None:
-    _, over = pair
-    assert over.overlap
+def check_greedy(over: Engine, batch: int) -> None:
+    """``batch`` greedy requests finishing at different steps while steps are in flight, each
+    with its own speculation length: every output equals target-only greedy."""
     ref = reference_copy(tiny_model("llama", SEED, vocab=259))
     ps = prompts(batch)
     reqs = over.generate(
         [
             {
                 "prompt": p,
-                "max_tokens": 7 + 5 * i,  # finishing at different steps while steps are in flight
+                "max_tokens": 7 + 5 * i,
                 "ignore_eos": True,
                 "num_speculative_tokens": i % 5,
             }
@@ -54,6 +53,35 @@ def test_overlap_greedy_equals_target_greedy(pair: tuple[Engine, Engine], batch:
         assert r.error is None, r.error
         assert r.output_ids == greedy_reference(ref, p, 7 + 5 * i), r.req_id
     assert not over.scheduler.steps and not over.in_flight
+
+
+def check_structured_greedy(sync: Engine, over: Engine) -> None:
+    """Structured greedy requests (their rows deferred) beside a plain one: the same tokens as
+    sync mode, and valid."""
+    work = [
+        {
+            "messages": [{"role": "user", "content": f"json please {i}"}],
+            "max_tokens": 160,
+            "structured": {"json": schema},
+        }
+        for i, schema in enumerate(SCHEMAS)
+    ] + [{"prompt": list(b"the cat sat on the mat. the cat"), "max_tokens": 40, "ignore_eos": True}]
+    before = over.num_deferred_bitmasks
+    want = sync.generate([dict(w) for w in work])
+    got = over.generate([dict(w) for w in work])
+    for w, s, o in zip(work, want, got, strict=True):
+        assert o.error is None, o.error
+        assert o.output_ids == s.output_ids
+        if "structured" in w:
+            jsonschema.validate(json.loads(o.text), w["structured"]["json"])  # type: ignore[index]
+    assert over.num_deferred_bitmasks > before, "no structured step was deferred"
+
+
+@pytest.mark.parametrize("batch", [1, 8])
+def test_overlap_greedy_equals_target_greedy(pair: tuple[Engine, Engine], batch: int) -> None:
+    _, over = pair
+    assert over.overlap
+    check_greedy(over, batch)
 
 
 def test_overlap_with_the_tuner_verifies_drafts(pair: tuple[Engine, Engine]) -> None:
@@ -80,24 +108,7 @@ def test_overlap_with_the_tuner_verifies_drafts(pair: tuple[Engine, Engine]) -> 
 
 
 def test_overlap_structured_greedy_equals_sync_and_validates(pair: tuple[Engine, Engine]) -> None:
-    sync, over = pair
-    work = [
-        {
-            "messages": [{"role": "user", "content": f"json please {i}"}],
-            "max_tokens": 160,
-            "structured": {"json": schema},
-        }
-        for i, schema in enumerate(SCHEMAS)
-    ] + [{"prompt": list(b"the cat sat on the mat. the cat"), "max_tokens": 40, "ignore_eos": True}]
-    before = over.num_deferred_bitmasks
-    want = sync.generate([dict(w) for w in work])
-    got = over.generate([dict(w) for w in work])
-    for w, s, o in zip(work, want, got, strict=True):
-        assert o.error is None, o.error
-        assert o.output_ids == s.output_ids
-        if "structured" in w:
-            jsonschema.validate(json.loads(o.text), w["structured"]["json"])  # type: ignore[index]
-    assert over.num_deferred_bitmasks > before, "no structured step was deferred"
+    check_structured_greedy(*pair)
 
 
 def test_overlap_sampled_structured_waits_for_its_rows(pair: tuple[Engine, Engine]) -> None:

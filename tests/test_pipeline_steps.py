@@ -16,10 +16,12 @@ from pathlib import Path
 import jsonschema
 import numpy as np
 import pytest
+import torch
 
 from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
 from scheduler_client import Engine
 from tests.models import greedy_reference, reference_copy, tiny_model
+from tests.test_overlap import check_greedy, check_structured_greedy
 from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
 from worker.drafters.base import NoDrafter
 from worker.model_executor import ModelExecutor
@@ -107,31 +109,37 @@ class Overlapped:
             off += n
 
 
-def test_open_steps_greedy_equals_target_greedy() -> None:
-    """Two requests decode with every step launched behind an open one; "a" leaves while a step
-    is open and "c" takes its slot in the same step (its prompt must not receive a's token)."""
-    model_ref = reference_copy(tiny_model("llama", 11))
+def run_arrivals_and_a_taken_slot(r: ModelRunner, ref: torch.nn.Module) -> None:
+    """Every step launched behind an open one, on ``r`` (two slots, no drafter): "b" arrives
+    while "a" decodes (a mixed step), then "a" leaves while its last token is open and "c" takes
+    its slot in that step (c's longer prompt must not receive a's token). Outputs equal
+    target-only greedy, and every step's DraftTokenIds lists its samplers at their lengths."""
     pa, pb, pc = [3, 4, 5, 6, 7], [9, 8, 7, 6, 5, 4, 3], [1, 2, 3, 1, 2, 3, 1, 2, 5, 6, 7, 8, 9, 4]
-    drv = Overlapped(runner())
-    drv.step(sched(0, {"a": len(pa), "b": len(pb)}, [new("a", pa), new("b", pb)]))
-    for i in range(1, 6):
+    drv = Overlapped(r)
+    drv.step(sched(0, {"a": len(pa)}, [new("a", pa)]))
+    drv.step(sched(1, {"a": 1, "b": len(pb)}, [new("b", pb)]))
+    for i in range(2, 8):
         drv.step(sched(i, {"a": 1, "b": 1}))
-    # a's sixth token is still open on the device when this step lets it go and admits c
-    drv.step(sched(6, {"b": 1, "c": len(pc)}, [new("c", pc)], finished=["a"]))
-    for i in range(7, 14):
+    # a's eighth token is still open when this step lets a go and admits c
+    drv.step(sched(8, {"b": 1, "c": len(pc)}, [new("c", pc)], finished=["a"]))
+    for i in range(9, 20):
         drv.step(sched(i, {"b": 1, "c": 1}))
     drv.drain()
-    assert drv.pipelined == 13
-    # the scheduler drops the token a sampled in the step it was let go in (step 6)
-    assert drv.out["a"][:6] == greedy_reference(model_ref, pa, 6)
-    assert drv.out["b"] == greedy_reference(model_ref, pb, 14)
-    assert drv.out["c"] == greedy_reference(model_ref, pc, 8)
-    # step 5's DraftTokenIds, answered after step 6 let a go, still lists a at its length
-    assert drv.drafts[5] == (5, ["a", "b"], [len(pa) + 6, len(pb) + 6])
-    # a's open token (position 10) was read back after c took the slot: it went nowhere
-    st = drv.r.states
+    assert drv.pipelined == 19
+    # the scheduler drops the token a sampled in the step it was let go in (step 8)
+    assert drv.out["a"][:8] == greedy_reference(ref, pa, 8)
+    assert drv.out["b"] == greedy_reference(ref, pb, 19)
+    assert drv.out["c"] == greedy_reference(ref, pc, 12)
+    # step 7's DraftTokenIds, answered after step 8 let a go, still lists a at its length
+    assert drv.drafts[7] == (7, ["a", "b"], [len(pa) + 8, len(pb) + 7])
+    # a's open token (position 12) was read back after c took the slot: it went nowhere
+    st = r.states
     assert st.tokens(st.slot_of["c"]).tolist() == pc + drv.out["c"]
     assert st.tokens(st.slot_of["b"]).tolist() == pb + drv.out["b"]
+
+
+def test_open_steps_greedy_equals_target_greedy() -> None:
+    run_arrivals_and_a_taken_slot(runner(), reference_copy(tiny_model("llama", 11)))
 
 
 def test_open_steps_sampled_equal_closed_steps() -> None:
@@ -294,23 +302,7 @@ def test_three_steps_in_flight_greedy_equals_target_greedy(
     deep: tuple[Engine, Engine, Path],
 ) -> None:
     _, deep3, log = deep
-    ref = reference_copy(tiny_model("llama", SEED, vocab=259))
-    ps = prompts(8)
-    reqs = deep3.generate(
-        [
-            {
-                "prompt": p,
-                "max_tokens": 7 + 5 * i,  # finishing at different steps while two are in flight
-                "ignore_eos": True,
-                "num_speculative_tokens": i % 5,
-            }
-            for i, p in enumerate(ps)
-        ]
-    )
-    for i, (r, p) in enumerate(zip(reqs, ps, strict=True)):
-        assert r.error is None, r.error
-        assert r.output_ids == greedy_reference(ref, p, 7 + 5 * i), r.req_id
-    assert not deep3.scheduler.steps and not deep3.in_flight
+    check_greedy(deep3, 8)
     assert deep3.num_worker_restarts == 0
     if deep3.config.drafter == "none":
         assert worker_metric(log, "specd_worker_pipelined_steps_total") > 0
@@ -319,17 +311,5 @@ def test_three_steps_in_flight_greedy_equals_target_greedy(
 def test_three_steps_in_flight_structured_greedy_equals_sync(
     deep: tuple[Engine, Engine, Path],
 ) -> None:
-    sync, deep3, _ = deep
-    chat = [{"role": "user", "content": "json please"}]
-    work = [{"messages": chat, "max_tokens": 160, "structured": {"json": s}} for s in SCHEMAS]
-    work += [{"prompt": prompts(1)[0], "max_tokens": 40, "ignore_eos": True}]
-    before = deep3.num_deferred_bitmasks
-    want = sync.generate([dict(w) for w in work])
-    got = deep3.generate([dict(w) for w in work])
-    for w, s, o in zip(work, want, got, strict=True):
-        assert o.error is None, o.error
-        assert o.output_ids == s.output_ids
-        if "structured" in w:
-            jsonschema.validate(json.loads(o.text), w["structured"]["json"])  # type: ignore[index]
-    assert deep3.num_deferred_bitmasks > before, "no structured step was deferred"
-    assert deep3.num_worker_restarts == 0
+    check_structured_greedy(deep[0], deep[1])
+    assert deep[1].num_worker_restarts == 0

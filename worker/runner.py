@@ -48,8 +48,7 @@ class LaunchedStep:
     tokens: np.ndarray | None = None  # [S, K + 1]
     num_accepted: np.ndarray | None = None  # [S]
     num_sampled: list[int] = field(default_factory=list)  # [B]
-    generations: list[int] = field(default_factory=list)  # [B] each slot's at launch
-    committed: list[int] = field(default_factory=list)  # [S] each sampler's length after it
+    committed: list[int] = field(default_factory=list)  # [S] (open) each sampler's length after it
     open: bool = False
     device_tokens: torch.Tensor | None = None
     owners: list[tuple[int, int, int]] = field(default_factory=list)
@@ -160,9 +159,7 @@ class ModelRunner:
             batch = build_step_batch(
                 sched, self.states, {e.req_id for e in rejected}, self.vocab_size, self.device
             )
-            step = LaunchedStep(
-                sched, batch, rejected, generations=self.states.generation[batch.slots].tolist()
-            )
+            step = LaunchedStep(sched, batch, rejected)
             if not batch.req_ids:  # a step that only finishes or adds requests
                 return step
             self._fill_open_tokens(batch)
@@ -199,7 +196,6 @@ class ModelRunner:
             num_accepted[j] = min(int(num_accepted[j]), cap)
         step.num_sampled = self.commit(batch, tokens, num_accepted)
         step.tokens, step.num_accepted = tokens, num_accepted
-        step.committed = self.states.num_tokens[[batch.slots[i] for i in batch.sample_idx]].tolist()
         if self.drafter.needs_hidden_states:
             self.feed_hidden_states(batch, hidden, num_accepted)
         return step
@@ -210,12 +206,14 @@ class ModelRunner:
         proposed, and its output."""
         self.draft_tokens.begin_step(step.sched.step_id)
         batch = step.batch
+        live: list[bool] | None = None  # per sampler: still in its slot (open steps only)
         if step.open:
             self._open.remove(step)
             step.tokens = step.read_tokens()
             st = self.states
-            for j, (slot, generation, position) in enumerate(step.owners):
-                if st.generation[slot] == generation and position >= 0:
+            live = [st.generation[slot] == g for slot, g, _ in step.owners]
+            for j, (slot, _, position) in enumerate(step.owners):
+                if live[j] and position >= 0:
                     st.token_ids[slot, position] = step.tokens[j, 0]
         if not batch.req_ids:
             self.num_steps += 1
@@ -223,7 +221,8 @@ class ModelRunner:
                 step.sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
             ), step.rejected
         assert step.tokens is not None and step.num_accepted is not None
-        self.propose_drafts(batch, step.sched.max_draft_proposals, step.generations, step.committed)
+        committed = step.committed if step.open else None
+        self.propose_drafts(batch, step.sched.max_draft_proposals, live, committed)
         self.num_steps += 1
         return self.output(
             step.sched.step_id, batch, step.tokens, step.num_sampled, step.num_accepted
@@ -270,8 +269,9 @@ class ModelRunner:
         where = {slot: i for i, slot in enumerate(batch.slots)}
         flat_start = np.cumsum([0, *batch.num_scheduled[:-1]]).tolist()
         dst: list[int] = []
-        src_step: list[tuple[torch.Tensor, int]] = []
+        values: list[torch.Tensor] = []
         for step in self._open:
+            rows: list[int] = []  # of step.device_tokens
             for j, (slot, generation, position) in enumerate(step.owners):
                 i = where.get(slot)
                 if i is None or position < 0 or st.generation[slot] != generation:
@@ -279,14 +279,14 @@ class ModelRunner:
                 offset = position - batch.start_positions[i]
                 if 0 <= offset < batch.num_scheduled[i] - batch.num_drafts[i]:
                     dst.append(flat_start[i] + offset)
-                    src_step.append((step.device_tokens, j))  # type: ignore[arg-type]
-        if not dst:
-            return
-        if len(self._open) == 1:
-            values = src_step[0][0][to_device([j for _, j in src_step], self.device)]
-        else:
-            values = torch.stack([t[j] for t, j in src_step])
-        batch.input_ids[to_device(dst, self.device)] = values.to(batch.input_ids.dtype)
+                    rows.append(j)
+            if rows:
+                assert step.device_tokens is not None
+                values.append(step.device_tokens[to_device(rows, self.device)])
+        if dst:
+            batch.input_ids[to_device(dst, self.device)] = torch.cat(values).to(
+                batch.input_ids.dtype
+            )
 
     def reset(self) -> None:
         """Drop every request (a new scheduler took over)."""
@@ -453,62 +453,49 @@ class ModelRunner:
         self,
         batch: StepBatch,
         cap: int = -1,
-        generations: list[int] | None = None,
+        live: list[bool] | None = None,
         committed: list[int] | None = None,
     ) -> None:
         """Drafts for every request that sampled: at most its own width, the room left in its
         context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap).
 
         Every request that sampled is listed in the step's ``DraftTokenIds`` (the scheduler
-        waits for it after an output that sampled), with ``committed`` [S] its length after this
-        step (default: its length now). With ``generations`` [B] (each slot's at launch) a
-        request that left since, while its step was open, is listed with width 0 and its slot is
-        not touched (only an open step sees this, and a step is held only without a drafter)."""
+        waits for one after an output that sampled), with ``committed`` [S] its length after
+        this step (default: its length now). ``live`` [S] (an open step's): False for a request
+        that left while the step was open; then every request is listed with width 0."""
         st = self.states
-        sampled = batch.sample_idx
-        req_ids = [batch.req_ids[i] for i in sampled]
-        slots = [batch.slots[i] for i in sampled]
-        here = [
-            generations is None or st.generation[batch.slots[i]] == generations[i] for i in sampled
-        ]
-        live = [s for s, ok in zip(slots, here, strict=True) if ok]
+        slots = [batch.slots[i] for i in batch.sample_idx]
+        req_ids = [batch.req_ids[i] for i in batch.sample_idx]
+        self._last_probs, self._last_row_of = None, {}
+        if not slots:
+            return
+        lengths = st.num_tokens[slots] if committed is None else np.asarray(committed, np.int64)
+        if live is not None and not all(live):
+            # only an open step sees its requests leave, and a step is held only without a
+            # drafter: there are no drafts to keep, and a slot taken since is not touched
+            assert self.can_hold
+            none = np.zeros(len(slots), np.int64)
+            zeros = torch.zeros((len(slots), 1), dtype=torch.long, device=self.device)
+            self.draft_tokens.set_draft_tokens(req_ids, zeros, none, lengths, none.astype(bool))
+            return
         widths = [
-            int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in live
+            int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in slots
         ]
         if cap >= 0:
             widths = [min(w, cap) for w in widths]
-        self._last_probs, self._last_row_of = None, {}
-        if not sampled:
-            return
-        num = np.zeros(len(slots), np.int64)
-        structured = np.zeros(len(slots), bool)
-        tokens = torch.zeros((len(slots), 1), dtype=torch.long, device=self.device)
-        if live:
-            proposal = self.drafter.propose(st, live, widths)
-            live_num = np.asarray(proposal.num_drafts, np.int64)
-            st.num_drafts[live] = live_num
-            if live_num.any():
-                # one scatter for the batch; columns past a request's num_drafts are never read
-                width = min(proposal.token_ids.shape[1], st.draft_token_ids.shape[1])
-                index = to_device(live, self.device)
-                st.draft_token_ids[index, :width] = proposal.token_ids[:, :width]
-            if proposal.probs is not None:
-                self._last_probs = proposal.probs
-                self._last_row_of = {s: j for j, s in enumerate(live)}
-            rows = np.flatnonzero(here)
-            num[rows] = live_num
-            structured[rows] = st.structured[live]
-            if len(live) == len(slots):
-                tokens = proposal.token_ids
-            else:
-                tokens = proposal.token_ids.new_zeros((len(slots), proposal.token_ids.shape[1]))
-                tokens[to_device(rows, self.device)] = proposal.token_ids
+        proposal = self.drafter.propose(st, slots, widths)
+        num = np.asarray(proposal.num_drafts, np.int64)
+        st.num_drafts[slots] = num
+        if num.any():
+            # one scatter for the batch; columns past a request's num_drafts are never read
+            width = min(proposal.token_ids.shape[1], st.draft_token_ids.shape[1])
+            index = to_device(slots, self.device)
+            st.draft_token_ids[index, :width] = proposal.token_ids[:, :width]
+        if proposal.probs is not None:
+            self._last_probs = proposal.probs
+            self._last_row_of = {s: j for j, s in enumerate(slots)}
         self.draft_tokens.set_draft_tokens(
-            req_ids,
-            tokens,
-            num,
-            np.asarray(committed if committed is not None else st.num_tokens[slots], np.int64),
-            structured,
+            req_ids, proposal.token_ids, num, lengths, st.structured[slots]
         )
 
     def output(
