@@ -2,7 +2,11 @@
 parts (request updates, commit, drafting, the output message) timed around every call of a run at batch ~54 with arrivals (a tiny random Llama on the CPU; the model's own time is not
 in these figures).
 
-    python bench/host_step_bench.py [--drafter none|ngram] [--requests 200]
+    python bench/host_step_bench.py [--drafter none|ngram|eagle0|draft_model] [--requests 200]
+
+``eagle0`` is a random EAGLE head with every proposal capped at zero, as the scheduler's tuner
+leaves a head that loses: the runner still stores the target's hidden states for it
+(``feed_hidden_states``). ``draft_model`` drafts 4 with a tiny random draft model.
 
 54 requests start together, then one arrives about every 1.25 steps as others finish (64 output
 tokens each), so most steps carry a prefill beside ~54 decodes, as the served c=64 rows do.
@@ -21,15 +25,21 @@ from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
+import torch
+
 import worker.runner as runner_module
-from bench.lossless_bench import make_drafter, make_runner
+from bench.lossless_bench import MAX_LEN, make_drafter, make_runner
 from tests.driver import Req, run
-from tests.models import tiny_model
+from tests.models import VOCAB, tiny_model
+from worker.attention import ATTN_IMPLEMENTATION
+from worker.drafters.base import Drafter
+from worker.drafters.eagle import EagleDrafter
+from worker.eagle_head import EagleHead, head_config
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", default="none", choices=("none", "ngram"))
+    ap.add_argument("--drafter", default="none", choices=("none", "ngram", "eagle0", "draft_model"))
     ap.add_argument("--requests", type=int, default=200)
     a = ap.parse_args()
     spent: dict[str, float] = defaultdict(float)
@@ -49,8 +59,20 @@ def main() -> None:
         setattr(runner_module, name, timed(name, getattr(runner_module, name)))
     k = 0 if a.drafter == "none" else 4
     model = tiny_model("llama", 3)
-    drafter = make_drafter(a.drafter, k, model, 64, None, None, "off", False)
+    drafter: Drafter
+    if a.drafter == "eagle0":
+        torch.manual_seed(1)
+        head = EagleHead(head_config(model.config), ATTN_IMPLEMENTATION).eval()
+        drafter = EagleDrafter(
+            head, model, vocab_size=VOCAB, max_num_seqs=64, max_model_len=MAX_LEN, max_num_tokens=k
+        )
+    else:
+        draft = tiny_model("llama", 4, layers=1) if a.drafter == "draft_model" else None
+        drafter = make_drafter(a.drafter, k, model, 64, None, draft, "off", False)
     runner = make_runner(model, drafter, k, 64, "off", False)
+    if a.drafter == "eagle0":  # the tuner's answer for a losing head: propose nothing
+        propose = runner.propose_drafts
+        runner.propose_drafts = lambda batch, cap=-1, *rest: propose(batch, 0, *rest)  # type: ignore[method-assign]
     rng = random.Random(0)
     reqs = [
         Req(
@@ -62,7 +84,7 @@ def main() -> None:
         )
         for i in range(a.requests)
     ]
-    for name in ("update_requests", "commit", "propose_drafts", "output"):
+    for name in ("update_requests", "commit", "propose_drafts", "feed_hidden_states", "output"):
         setattr(runner, name, timed(name, getattr(runner, name)))
     run(runner, reqs, max_steps=100_000)
     for name in spent:

@@ -407,19 +407,23 @@ class Engine:
                 self.num_deferred_bitmasks += 1
 
     def _observe(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
-        """Feed the speculation tuner the cost of a decode-only step (no prefill chunk), at the
-        width the worker ran: with overlap the step's widths are caps, and a request runs only
-        the drafts the worker proposed (none after a proposal of zero). Counting the caps filed
-        every overlap step under the widest width, so the no-draft end was never measured and
-        the tuner kept proposing zero drafts to measure it: overlap never speculated."""
+        """Feed the speculation tuner the cost of a step, at the width the worker ran: with
+        overlap the step's widths are caps, and a request runs only the drafts the worker
+        proposed (none after a proposal of zero). Counting the caps filed every overlap step
+        under the widest width, so the no-draft end was never measured and the tuner kept
+        proposing zero drafts to measure it: overlap never speculated. A step that carries
+        prompt chunks counts with its prefill tokens: with arrivals at c=64 nearly every step
+        does, and counting decode-only steps alone left the tuner unmeasured there, drafting at
+        full width whatever it cost (the draft model served at 0.38x no drafts)."""
         tuner = self.scheduler.tuner
         counts = sched.num_scheduled_tokens
-        if tuner is None or not len(counts) or sched.new_requests:
+        if tuner is None or not len(counts):
             return
-        if (counts - sched.num_draft_tokens == 1).all():
-            ran = out.num_draft_tokens
-            width = 1 + (int(ran.max()) if len(ran) else 0)
-            tuner.observe_step(len(counts), width, seconds, sched.max_draft_proposals)
+        own = counts - sched.num_draft_tokens  # each request's tokens other than its drafts
+        prefill = int(own[own > 1].sum())
+        ran = out.num_draft_tokens
+        width = 1 + (int(ran.max()) if len(ran) else 0)
+        tuner.observe_step(len(counts), width, seconds, sched.max_draft_proposals, prefill)
 
     def _recover(self, cause: WorkerDied) -> None:
         """A new worker (relaunched, or the next one to appear at worker_addr), a new handshake,

@@ -509,6 +509,8 @@ class Scheduler:
             w = int(out.num_draft_tokens[i])
             req.metrics.record_step(w, accepted, n)
             req.num_judged += min(w, accepted + 1)
+            if self.tuner is not None:
+                self.tuner.observe_judged(min(w, accepted + 1), accepted)
             try:
                 self._commit(req, tokens)
             except Exception as e:

@@ -7,18 +7,26 @@ pads a decode step to its widest request, and drafting K tokens costs the drafte
 step's cost depends on the batch size and that width: the tuner keeps the measured step time per
 (batch bucket, width), where a step counts only when what it verified and what it drafted agree
 (``observe_step``), so the time of width 1 + K is the whole cost of speculating K per step:
-verifying K and drafting the next K. It estimates each request's per-draft acceptance probability
-alpha from its own history and picks the K that maximises expected goodput,
+verifying K and drafting the next K. Under continuous batching with arrivals nearly every step also
+carries a prefill chunk, so steps with one count too: each width keeps a fit of its step time
+against the step's prefill tokens (``_Fit``), and widths are compared by the fit's decode part, its
+time at no prefill. The prompts are prefilled whatever the width, so the width that makes decode
+tokens cheapest is the one that makes the run fastest; comparing at the typical load would favour
+drafting (the prefill dilutes what the extra width costs) where it loses. It estimates each
+request's per-draft acceptance probability alpha from its own history and picks the K that maximises
+expected goodput,
 
     sum over requests of (1 - alpha^(k+1)) / (1 - alpha)   /   step time(batch, 1 + K),
 
 with k = min(K, the request's drafts). For a batch size it has not measured, it runs each end (no
-drafts, all drafts) for two steps, propose then verify; widths in between are interpolated, and
-the end not in use is re-measured now and then, so a machine whose costs change is followed. At
-batch 1 on a GPU, where a step costs about the same whatever its width, this keeps full
-speculation; where verifying or drafting costs more than the accepted drafts save (large batches,
-a slow drafter), the proposal width goes to zero and the drafter stops working, so speculation
-never costs throughput.
+drafts, all drafts) for two steps, propose then verify; widths in between are interpolated, and the
+end not in use is re-measured now and then (two steps: propose, then verify what was proposed), so a
+machine whose costs change is followed; each re-measurement that confirms the choice doubles the
+wait before the next one (64 decisions up to 1,024), since re-measuring a losing drafter costs its
+catch-up and two of its steps. At batch 1 on a GPU, where a step costs about the same whatever its
+width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
+save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
+so speculation never costs throughput.
 """
 
 from __future__ import annotations
@@ -28,10 +36,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-PRIOR_ALPHA = 0.5  # before a request has history
-PRIOR_WEIGHT = 2.0  # ... worth this many judged drafts
-EMA = 0.2  # weight of a new step-time sample
-EXPLORE_EVERY = 64  # decisions per batch bucket between re-measurements of the other end
+PRIOR_ALPHA = 0.5  # before any request has history
+PRIOR_WEIGHT = 2.0  # a request's prior, worth this many judged drafts: the drafter's recent
+POOL_KEEP = 0.995  # acceptance over all requests, its counts kept this much a judged step
+EMA = 0.2  # weight of a new step-time sample (a running mean for the first 1 / EMA)
+EXPLORE_EVERY = 64  # decisions per batch bucket between re-measurements of the other end, at first
+MAX_EXPLORE_EVERY = 1024  # ... after re-measurements that kept confirming the choice
+EXPLORE_SHARE = 0.01  # the most of the time re-measurements may cost (waits up to ...)
+MAX_EXPLORE_WAIT = 4096  # ... this many decisions)
+REMEASURE = 0.5  # weight of a re-measured step in its width's time
+SURPRISE = 0.1  # a re-measurement that moved its width's time by more than this share ...
+# ... starts the waits over at EXPLORE_EVERY, as a changed choice does
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -48,11 +63,66 @@ def expected_tokens(alpha: float, k: int) -> float:
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
 
 
+def _blend(old: float, new: float, weight: float) -> float:
+    return (1 - weight) * old + weight * new
+
+
+@dataclass
+class _Fit:
+    """One width's step time t against the step's prefill tokens p: moving averages of p, t,
+    p*p and p*t (a running mean for the first 1 / EMA samples, then EMA)."""
+
+    n: int = 0
+    p: float = 0.0
+    t: float = 0.0
+    pp: float = 0.0
+    pt: float = 0.0
+
+    def add(self, p: float, t: float, weight: float = EMA) -> None:
+        self.n += 1
+        w = max(1.0 / self.n, weight)
+        self.p, self.t = _blend(self.p, p, w), _blend(self.t, t, w)
+        self.pp, self.pt = _blend(self.pp, p * p, w), _blend(self.pt, p * t, w)
+
+    def var(self) -> float:
+        return max(self.pp - self.p * self.p, 0.0)
+
+    def cov(self) -> float:
+        return self.pt - self.p * self.t
+
+
 @dataclass
 class _Bucket:
-    seconds: dict[int, float] = field(default_factory=dict)  # width (1 + K) -> EMA step time
+    fits: dict[int, _Fit] = field(default_factory=dict)  # width (1 + K) -> its step time
     decisions: int = 0
     hold: int = -1  # a proposal width to repeat for one more step (measuring it), -1: none
+    explore_every: int = EXPLORE_EVERY
+    next_explore: int = -1  # the decision count of the next re-measurement (-1: not set)
+    explored_from: int = -1  # the choice before the re-measurement now under way, -1: none
+    explored_width: int = 0  # the width it measures ...
+    explored_samples: int = 0  # ... and that width's samples before it
+    explored_at: int = 0  # ... and the decision that started it
+    explored_time: float = 0.0  # ... and that width's time before it
+    explore_top: bool = False  # the last re-measurement was of the drafting end
+    repeat: bool = False  # ... and it moved that end's time: measure the same end next
+
+    def observe(self, width: int, prefill: float, seconds: float) -> None:
+        # a re-measurement is one step of a width seen rarely: it weighs half, so a cost that
+        # changed is followed within a few re-measurements
+        remeasured = self.explored_from >= 0 and width == self.explored_width
+        self.fits.setdefault(width, _Fit()).add(prefill, seconds, REMEASURE if remeasured else EMA)
+
+    @property
+    def seconds(self) -> dict[int, float]:
+        """Width -> the decode part of its step time (at no prefill). The time a prefill token
+        costs is one slope for the bucket, pooled over the widths' own spreads (the width in use
+        has many samples; the other end, re-measured now and then, few), and at most what leaves
+        each width a hundredth of its mean time."""
+        fits = self.fits.values()
+        spread = sum(f.var() for f in fits)
+        slope = max(sum(f.cov() for f in fits) / spread, 0.0) if spread > 1.0 else 0.0
+        slope = min([slope, *(0.99 * f.t / f.p for f in fits if f.p > 0)])
+        return {w: max(f.t - slope * f.p, 1e-9) for w, f in self.fits.items()}
 
 
 class SpeculationTuner:
@@ -61,11 +131,33 @@ class SpeculationTuner:
     def __init__(self, max_k: int) -> None:
         self.max_k = max_k
         self._buckets: dict[int, _Bucket] = {}
+        # drafts judged and accepted over every request, decayed: the prior of a new request
+        self._pool_judged = 0.0
+        self._pool_accepted = 0.0
+        # drafts the next step verifies (a measurement's second step: the step after a proposal
+        # verifies it, whatever bucket its batch falls in), -1: the tuner's choice
+        self._verify = -1
 
-    @staticmethod
-    def alpha(num_judged: float, num_accepted: float) -> float:
-        """Per-draft acceptance probability from a request's counts, smoothed by a prior."""
-        return (num_accepted + PRIOR_ALPHA * PRIOR_WEIGHT) / (num_judged + PRIOR_WEIGHT)
+    @property
+    def prior(self) -> float:
+        """The drafter's recent per-draft acceptance over all requests (PRIOR_ALPHA before any)."""
+        if self._pool_judged < 1.0:
+            return PRIOR_ALPHA
+        return self._pool_accepted / self._pool_judged
+
+    def alpha(self, num_judged: float, num_accepted: float) -> float:
+        """Per-draft acceptance probability from a request's counts, smoothed toward the prior.
+        Under arrivals most requests are young: with a fixed prior of 0.5 a head accepting 0.33
+        kept drafting on every new request's optimism."""
+        return (num_accepted + self.prior * PRIOR_WEIGHT) / (num_judged + PRIOR_WEIGHT)
+
+    def observe_judged(self, num_judged: int, num_accepted: int) -> None:
+        """One request's step: drafts the target judged (accepted + the first rejected) and
+        accepted."""
+        if num_judged <= 0:
+            return
+        self._pool_judged = POOL_KEEP * self._pool_judged + num_judged
+        self._pool_accepted = POOL_KEEP * self._pool_accepted + num_accepted
 
     def propose(self, alphas: Sequence[float], caps: Sequence[int]) -> int:
         """How many drafts (0..max_k) the worker proposes for each of these requests after this
@@ -79,15 +171,70 @@ class SpeculationTuner:
         if bucket.hold >= 0:  # the second step of a measurement: propose, then verify as much
             k, bucket.hold = bucket.hold, -1
             return k
-        for width in (1 + top, 1):  # measure both ends first
-            if width not in bucket.seconds:
-                bucket.hold = width - 1
+        known = bucket.seconds
+        if 1 + top not in known and 1 in known:
+            self._borrow(bucket, len(caps), 1 + top)
+            known = bucket.seconds
+        for width in (1, 1 + top):  # measure both ends first
+            if width not in known:
+                bucket.hold = self._verify = width - 1
                 return width - 1
-        best_k = self._best(bucket.seconds, alphas, caps, top)
-        if bucket.decisions % EXPLORE_EVERY == 0:  # refresh the end we are not using
-            bucket.hold = 0 if best_k > 0 else top
-            return bucket.hold
+        best_k = self._best(known, alphas, caps, top)
+        if bucket.next_explore < 0:  # both ends just measured
+            wait = max(bucket.explore_every, self._explore_wait(bucket, alphas, caps, top))
+            bucket.next_explore = bucket.decisions + wait
+        if bucket.explored_from >= 0:
+            fit = bucket.fits.get(bucket.explored_width)
+            if fit is not None and fit.n > bucket.explored_samples:
+                # the re-measured step has been observed: did it change the choice, or the
+                # time of the width it measured?
+                before = bucket.explored_time
+                moved = abs(known[bucket.explored_width] - before) > SURPRISE * before
+                same = (best_k > 0) == (bucket.explored_from > 0) and not moved
+                bucket.repeat = moved  # its time moved: the same end again, soon
+                bucket.explore_every = (
+                    min(2 * bucket.explore_every, MAX_EXPLORE_EVERY) if same else EXPLORE_EVERY
+                )
+                bucket.explored_from = -1
+            elif bucket.decisions >= bucket.explored_at + 8:  # its step was not counted
+                bucket.explored_from = -1
+            if bucket.explored_from < 0:
+                wait = bucket.explore_every
+                if wait > EXPLORE_EVERY:  # confirmed: no sooner than its cost allows
+                    wait = max(wait, self._explore_wait(bucket, alphas, caps, top))
+                bucket.next_explore = bucket.explored_at + wait
+        elif bucket.decisions >= bucket.next_explore:  # refresh an end we are not using
+            # from a width in between, the two ends by turns (the widths between are timed only
+            # when in use, so a stale end would hold the choice there), or the same end again
+            # when its last re-measurement moved its time
+            if not (bucket.repeat and 0 < best_k < top):
+                bucket.explore_top = best_k == 0 or (best_k < top and not bucket.explore_top)
+            k = top if bucket.explore_top else 0
+            fit = bucket.fits.get(1 + k)
+            bucket.explored_from, bucket.explored_width = best_k, 1 + k
+            bucket.explored_at = bucket.decisions
+            bucket.explored_time = known[1 + k]
+            bucket.explored_samples = 0 if fit is None else fit.n
+            bucket.hold = self._verify = k
+            return k
         return best_k
+
+    def _borrow(self, bucket: _Bucket, num_reqs: int, width: int) -> None:
+        """A batch size's first drafting-end time from the nearest batch size measured at both
+        ends (as a ratio to width 1, which is measured here): the batch drains through every
+        bucket below it as requests end, and measuring a losing draft model's end in each cost
+        two of its steps there (a tenth of a short served row at c=64). Its first step at that
+        width replaces the borrowed time."""
+        own = batch_bucket(num_reqs)
+        near = sorted(
+            (abs(b.bit_length() - own.bit_length()), b)
+            for b, other in self._buckets.items()
+            if b != own and {1, width} <= {w for w, f in other.fits.items() if f.n}
+        )
+        if not near:
+            return
+        times = self._buckets[near[0][1]].seconds
+        bucket.fits[width] = _Fit(t=bucket.seconds[1] * times[width] / times[1])
 
     def choose(self, alphas: Sequence[float], caps: Sequence[int]) -> int:
         """The batch's draft width K (0..max_k) for a decode step of these requests (all of
@@ -95,9 +242,13 @@ class SpeculationTuner:
         verify at most ``caps[i]`` drafts (what the worker proposed). Every draft held, until
         both ends are measured."""
         top = min(self.max_k, max(caps, default=0))
+        bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
+        verify, self._verify = self._verify, -1
         if top <= 0:
             return 0
-        known = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket()).seconds
+        if verify >= 0:  # a measurement proposed these drafts to verify them
+            return min(verify, top)
+        known = bucket.seconds
         if 1 + top not in known or 1 not in known:
             return top
         return self._best(known, alphas, caps, top)
@@ -106,31 +257,60 @@ class SpeculationTuner:
         self, known: dict[int, float], alphas: Sequence[float], caps: Sequence[int], top: int
     ) -> int:
         """The K in 0..top of the highest expected tokens per second."""
+        rates = self._rates(known, alphas, caps, top)
+        return max(range(top + 1), key=lambda k: (rates[k], -k))
+
+    def _rates(
+        self, known: dict[int, float], alphas: Sequence[float], caps: Sequence[int], top: int
+    ) -> list[float]:
+        """Expected tokens per second of each K in 0..top."""
         # gain[k] = sum over requests of expected_tokens(alpha, min(k, cap)), for every k at once
         # (a Python double loop cost 0.22 ms a step at batch 64: bench/scheduler_step_bench.py)
         a = np.minimum(np.asarray(alphas, np.float64), 1.0 - 1e-9)
         ks = np.minimum(np.arange(top + 1)[:, None], np.asarray(caps)[None, :])  # [K + 1, B]
         gains = ((1.0 - a ** (ks + 1)) / (1.0 - a)).sum(axis=1)
-        best_k, best = top, -1.0
-        for k in range(top + 1):
-            rate = float(gains[k]) / self._time(known, 1 + k)
-            if rate > best:
-                best_k, best = k, rate
-        return best_k
+        return [float(gains[k]) / self._time(known, 1 + k) for k in range(top + 1)]
 
-    def observe_step(self, num_reqs: int, width: int, seconds: float, proposals: int = -1) -> None:
-        """A decode-only step of ``num_reqs`` requests whose widest ran ``width`` tokens and
-        after which the worker proposed at most ``proposals`` drafts (-1: not capped). Counted
-        when it is a step of its width's steady state: it drafted what it verified, or verified
-        some drafts and proposed more (a drafter that found fewer than asked). A step that
-        verified drafts and proposed fewer, or proposed drafts it did not verify, is a switch
-        between widths: its time belongs to neither."""
+    def _explore_wait(
+        self, bucket: _Bucket, alphas: Sequence[float], caps: Sequence[int], top: int
+    ) -> int:
+        """Decisions between re-measurements so that they cost at most EXPLORE_SHARE of the
+        time: a re-measurement runs two steps at the other end, each losing what the best width
+        would have made in its time (a losing draft model at batch 64: a step 8 times as long
+        at 0.4 of the rate, 9 steps' worth). Until the other end has several samples the wait is
+        at most EXPLORE_EVERY * 4^(samples - 1): one step slowed by a busy host must not keep a
+        drafter that pays off for thousands of steps."""
+        known = bucket.seconds
+        rates = self._rates(known, alphas, caps, top)
+        best_k = max(range(top + 1), key=lambda k: (rates[k], -k))
+        other = top if best_k == 0 else 0
+        longer = self._time(known, 1 + other) / self._time(known, 1 + best_k)
+        loss = 2.0 * longer * max(1.0 - rates[other] / max(rates[best_k], 1e-30), 0.0)
+        fit = bucket.fits.get(1 + other)
+        samples = fit.n if fit is not None else 0
+        trust: int = EXPLORE_EVERY * 4 ** max(samples - 1, 0)
+        return min(int(loss / EXPLORE_SHARE), MAX_EXPLORE_WAIT, trust)
+
+    def observe_step(
+        self,
+        num_reqs: int,
+        width: int,
+        seconds: float,
+        proposals: int = -1,
+        prefill_tokens: int = 0,
+    ) -> None:
+        """A step of ``num_reqs`` requests whose widest decode ran ``width`` tokens, beside
+        ``prefill_tokens`` tokens of prompt chunks, and after which the worker proposed at most
+        ``proposals`` drafts (-1: not capped). Counted when it is a step of its width's steady
+        state: it drafted what it verified, or verified some drafts and proposed more (a drafter
+        that found fewer than asked). A step that verified drafts and proposed fewer, or
+        proposed drafts it did not verify, is a switch between widths: its time belongs to
+        neither."""
         k = width - 1
         if proposals >= 0 and not (proposals == k or 0 < k < proposals):
             return
-        known = self._buckets.setdefault(batch_bucket(num_reqs), _Bucket()).seconds
-        old = known.get(width)
-        known[width] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+        bucket = self._buckets.setdefault(batch_bucket(num_reqs), _Bucket())
+        bucket.observe(width, prefill_tokens, seconds)
 
     @staticmethod
     def _time(known: dict[int, float], width: int) -> float:

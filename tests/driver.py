@@ -111,14 +111,15 @@ def run(
         )
         t0 = time.perf_counter()
         out, rejected = runner.execute(sched)
-        if (
-            tuner is not None
-            and counts
-            and not new
-            and all(c - w == 1 for c, w in zip(counts, widths, strict=True))
-        ):
+        if tuner is not None and counts:  # as the engine feeds it (Engine._observe)
+            prefill = sum(c - w for c, w in zip(counts, widths, strict=True) if c - w > 1)
+            ran = out.num_draft_tokens
             tuner.observe_step(
-                len(counts), max(counts), time.perf_counter() - t0, sched.max_draft_proposals
+                len(counts),
+                1 + (int(ran.max()) if len(ran) else 0),
+                time.perf_counter() - t0,
+                sched.max_draft_proposals,
+                prefill,
             )
         assert not rejected, rejected
         if step_log is not None:
@@ -144,6 +145,8 @@ def run(
             r.sample_steps += 1
             w, a = int(out.num_draft_tokens[i]), int(out.num_accepted[i])
             r.judged += min(w, a + 1)
+            if tuner is not None:
+                tuner.observe_judged(min(w, a + 1), a)
             if len(r.drafted_at) < w:
                 r.drafted_at += [0] * (w - len(r.drafted_at))
                 r.accepted_at += [0] * (w - len(r.accepted_at))

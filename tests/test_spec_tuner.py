@@ -3,7 +3,19 @@ greedy output stays equal to target-only greedy while it changes widths."""
 
 from __future__ import annotations
 
-from scheduler_client.spec_tuner import EXPLORE_EVERY, SpeculationTuner, expected_tokens
+import random
+from types import SimpleNamespace
+
+import numpy as np
+
+from protocol.messages import ModelRunnerOutput, NewRequest, SamplingParams, SchedulerOutput
+from scheduler_client.engine import Engine
+from scheduler_client.spec_tuner import (
+    EXPLORE_EVERY,
+    MAX_EXPLORE_EVERY,
+    SpeculationTuner,
+    expected_tokens,
+)
 from tests.driver import Req, run
 from tests.models import greedy_reference, reference_copy, tiny_model
 from worker.drafters.ngram import NgramDrafter
@@ -76,19 +88,187 @@ def test_steps_switching_widths_are_not_measured() -> None:
     assert tuner._buckets[1].seconds == {5: 2.0, 3: 1.5, 1: 1.0, 2: 1.2}
 
 
-def test_the_drafting_end_is_re_measured() -> None:
-    """Settled at zero, the tuner still proposes full width now and then (two steps: propose,
-    then verify), so a drafter that became worth it is found again."""
+def explorations(
+    tuner: SpeculationTuner, cost: dict[int, float], alpha: float, steps: int, draft_cost: float
+) -> list[tuple[int, int]]:
+    """Drive ``steps`` more steps as ``settle`` does; returns (decision, K) of every step that
+    proposed drafts and then verified them all (a re-measurement of the drafting end)."""
+    avail, out = 0, []
+    for step in range(steps):
+        k = tuner.choose([alpha], [avail])
+        p = tuner.propose([alpha], [4])
+        tuner.observe_step(1, 1 + k, cost[1 + k] + draft_cost * p, p)
+        if k and k == avail:
+            out.append((step, k))
+        avail = p
+    return out
+
+
+def test_the_drafting_end_is_re_measured_and_verified() -> None:
+    """Settled at zero, the tuner still proposes full width now and then, and the next step
+    verifies what was proposed, so that step counts as the drafting end's cost (a re-measurement
+    that proposed drafts and then verified none measured nothing and cost the drafting)."""
     tuner = SpeculationTuner(4)
     flat = {w: 1.0 for w in range(1, 6)}
     settle(tuner, 1, flat, 0.3, draft_cost=0.5)
-    proposals = [tuner.propose([0.3], [4]) for _ in range(EXPLORE_EVERY * 2)]
-    assert proposals.count(4) == 4 and proposals.count(0) == len(proposals) - 4
+    samples = tuner._buckets[1].fits[5].n
+    seen = explorations(tuner, flat, 0.3, 1000, draft_cost=0.5)
+    assert seen and all(k == 4 for _, k in seen), seen
+    assert tuner._buckets[1].fits[5].n == samples + len(seen)
+
+
+def test_re_measurements_that_confirm_the_choice_come_less_often() -> None:
+    """A drafter that keeps losing is re-measured after 64 decisions, then 128, ... up to 1,024,
+    and never sooner than what keeps the re-measurements' cost at 1% of the time (each costs two
+    drafting steps), once its end has samples enough to trust (at most 64 * 4^(samples - 1));
+    when drafting pays again the next re-measurement finds it, the tuner drafts again, and the
+    wait starts over."""
+    tuner = SpeculationTuner(4)
+    flat = {w: 1.0 for w in range(1, 6)}
+    settle(tuner, 1, flat, 0.4, draft_cost=0.5)
+    bucket = tuner._buckets[1]
+    # width 5 takes 3 steps' time at 1.65 / 3 of the rate: 2 * 3 * 0.45 = 2.7 steps lost,
+    # 270 decisions' wait; with one sample of it, 64
+    assert tuner._explore_wait(bucket, [0.4], [4], 4) == EXPLORE_EVERY
+    bucket.fits[5].n = 3
+    assert tuner._explore_wait(bucket, [0.4], [4], 4) == 270
+    bucket.fits[5].n = 1
+    seen = [step for step, _ in explorations(tuner, flat, 0.4, 8000, draft_cost=0.5)]
+    gaps = np.diff(seen).tolist()
+    want = [
+        max(min(EXPLORE_EVERY * 2**i, MAX_EXPLORE_EVERY), min(270, EXPLORE_EVERY * 4**i))
+        for i in range(1, len(gaps) + 1)
+    ]
+    assert gaps == want, gaps
+    # the drafter got cheap: found at the next re-measurements (the first moved the drafting
+    # end's time by a third: the waits start over), then drafting holds
+    waits, avail, k = set(), 0, 0
+    for _ in range(MAX_EXPLORE_EVERY + 300):
+        k = tuner.choose([0.4], [avail])
+        avail = tuner.propose([0.4], [4])
+        tuner.observe_step(1, 1 + k, 1.0, avail)
+        waits.add(tuner._buckets[1].explore_every)
+    assert k > 0 and EXPLORE_EVERY in waits, waits
+
+
+def test_a_drafter_that_loses_badly_is_re_measured_rarely() -> None:
+    """A drafting step 21 times as long as a plain one (a draft model at batch 64) is re-measured
+    only every 3,870 decisions (2 steps * 21 * (1 - 1.65 / 21) lost, at 1% of the time): every
+    64, its two steps would cost two thirds of the time."""
+    tuner = SpeculationTuner(4)
+    flat = {w: 1.0 for w in range(1, 6)}
+    settle(tuner, 64, flat, 0.4, draft_cost=5.0)
+    bucket = tuner._buckets[64]
+    bucket.fits[5].n = 7  # measured often enough to be trusted
+    assert tuner._explore_wait(bucket, [0.4] * 64, [4] * 64, 4) == 3870
+
+
+def with_arrivals(
+    tuner: SpeculationTuner,
+    n: int,
+    width_cost: float,
+    alpha: float,
+    draft_cost: float,
+    steps: int = 400,
+    seed: int = 0,
+) -> list[int]:
+    """Steps at batch ``n`` under arrivals, as served c=64 runs: 9 steps in 10 carry a prompt
+    chunk of 50..800 tokens costing 0.01 a token, beside a decode of width 1 + K costing 1 +
+    ``width_cost`` K, plus ``draft_cost`` per proposed draft. Returns each step's verified K."""
+    rng = random.Random(seed)
+    avail, ks = 0, []
+    for _ in range(steps):
+        k = tuner.choose([alpha] * n, [avail] * n)
+        p = tuner.propose([alpha] * n, [4] * n)
+        prefill = rng.randrange(50, 800) if rng.random() < 0.9 else 0
+        seconds = 1.0 + width_cost * k + 0.01 * prefill + draft_cost * p
+        tuner.observe_step(n, 1 + k, seconds * rng.uniform(0.97, 1.03), p, prefill)
+        avail = p
+        ks.append(k)
+    return ks
+
+
+def test_steps_that_carry_prefill_measure_the_widths() -> None:
+    """Under arrivals nearly every step carries a prompt chunk. Counted with their prefill tokens,
+    they measure the widths by their decode part: a drafter that loses at every width (alpha 0.6,
+    each draft costing 0.8 of a 1.0 decode) is turned down to zero, though beside the average
+    prefill (3.8 more a step) its drafts would look worth their cost; one that wins (alpha 0.8,
+    0.02 a draft) keeps full width."""
+    losing = with_arrivals(SpeculationTuner(4), 48, 0.05, 0.6, draft_cost=0.8)
+    assert losing[-200:].count(0) >= 195, losing[-200:]
+    winning = with_arrivals(SpeculationTuner(4), 48, 0.05, 0.8, draft_cost=0.02)
+    assert winning[-200:].count(4) >= 195, winning[-200:]
+
+
+def test_widths_measured_under_different_prefill_loads_are_compared_at_one_load() -> None:
+    """Width 5 measured in steps with about 2,000 prefill tokens, width 1 in steps without: taken
+    as they are, width 5 looks 20 times dearer; at one load it costs 0.5 more than width 1, and
+    drafting (alpha 0.6: 2.3 tokens a step) pays."""
+    tuner = SpeculationTuner(4)
+    rng = random.Random(1)
+    for _ in range(30):
+        p = rng.randrange(1500, 2500)
+        tuner.observe_step(8, 5, 1.5 + 0.01 * p, 4, p)
+    for _ in range(30):
+        tuner.observe_step(8, 1, 1.0, 0, 0)
+    bucket = tuner._buckets[8]
+    assert bucket.fits[5].t > 15 * bucket.fits[1].t
+    times = bucket.seconds
+    assert abs(times[5] - times[1] - 0.5) < 1e-6, times
+    assert tuner.choose([0.6] * 8, [4] * 8) > 0
+
+
+def test_the_engine_counts_steps_with_prompt_chunks_for_the_tuner() -> None:
+    """``Engine._observe`` passes a step with a new request and a prompt chunk to the tuner
+    with its prefill tokens, at the width the worker ran."""
+    tuner = SpeculationTuner(4)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(tuner=tuner))
+    sched = SchedulerOutput(
+        step_id=3,
+        new_requests=[NewRequest("b", np.arange(3, 40, dtype=np.int32), SamplingParams(), 4)],
+        req_ids=["a", "b"],
+        num_scheduled_tokens=np.array([5, 37], np.int32),
+        num_draft_tokens=np.array([4, 0], np.int32),
+        draft_token_ids=np.full(4, -1, np.int32),
+        finished_req_ids=[],
+        aborted_req_ids=[],
+        structured_req_ids=[],
+        max_draft_proposals=2,
+    )
+    out = ModelRunnerOutput(
+        step_id=3,
+        req_ids=["a", "b"],
+        num_sampled=np.array([2, 1], np.int32),
+        sampled_token_ids=np.array([7, 8, 9], np.int32),
+        num_draft_tokens=np.array([2, 0], np.int32),
+        num_accepted=np.array([1, 0], np.int32),
+    )
+    Engine._observe(engine, sched, out, 0.25)  # type: ignore[arg-type]
+    fit = tuner._buckets[2].fits[3]
+    assert (fit.n, fit.p, fit.t) == (1, 37.0, 0.25)
 
 
 def test_alpha_estimate_is_smoothed_toward_the_prior() -> None:
-    assert SpeculationTuner.alpha(0, 0) == 0.5
-    assert abs(SpeculationTuner.alpha(100, 90) - 91 / 102) < 1e-12
+    tuner = SpeculationTuner(4)
+    assert tuner.alpha(0, 0) == 0.5
+    assert abs(tuner.alpha(100, 90) - 91 / 102) < 1e-12
+
+
+def test_a_new_request_starts_from_the_drafters_recent_acceptance() -> None:
+    """The prior is the drafter's acceptance over recent requests: after requests that accepted
+    a third of their judged drafts, a new request starts near a third, not at 0.5 (a head that
+    loses kept drafting at c=8 on the CPU on every young request's optimism), and the pool
+    follows a drafter whose acceptance changes."""
+    tuner = SpeculationTuner(4)
+    for _ in range(300):
+        tuner.observe_judged(3, 1)
+    assert abs(tuner.alpha(0, 0) - 1 / 3) < 1e-9
+    assert abs(tuner.alpha(10, 9) - (9 + 2 / 3) / 12) < 1e-9
+    for _ in range(2000):
+        tuner.observe_judged(4, 4)
+    assert tuner.alpha(0, 0) > 0.99
+    tuner.observe_judged(0, 0)  # a step without drafts judges nothing
+    assert tuner.alpha(0, 0) > 0.99
 
 
 def test_greedy_output_is_unchanged_by_the_tuner() -> None:
@@ -112,8 +292,6 @@ def test_greedy_output_is_unchanged_by_the_tuner() -> None:
 def test_the_batched_goodput_picks_what_the_per_request_formula_picks() -> None:
     """``choose`` sums expected tokens for every width at once; it must pick the width the plain
     per-request formula picks (random batches, measured times for every width)."""
-    import random
-
     rng = random.Random(3)
     for _ in range(200):
         tuner = SpeculationTuner(4)
@@ -134,3 +312,55 @@ def test_the_batched_goodput_picks_what_the_per_request_formula_picks() -> None:
         want = max(range(top + 1), key=lambda k: (rates[k], -k))
         got = tuner.choose(alphas, caps)
         assert got == want or rates[got] == rates[want]
+
+
+def test_a_batch_size_borrows_its_drafting_cost_from_the_nearest_one_measured() -> None:
+    """Measured at batch 64 to lose badly, drafting is not measured again as the batch drains to
+    32 (two steps of a losing draft model): width 1 is measured there, the drafting end's time is
+    borrowed as a ratio to it, and the tuner does not draft."""
+    tuner = SpeculationTuner(4)
+    flat = {w: 1.0 for w in range(1, 6)}
+    settle(tuner, 64, flat, 0.4, draft_cost=5.0)
+    proposals = []
+    for _ in range(20):
+        tuner.choose([0.4] * 32, [0] * 32)
+        p = tuner.propose([0.4] * 32, [4] * 32)
+        tuner.observe_step(32, 1, 0.5, p)
+        proposals.append(p)
+    assert proposals == [0] * 20
+    assert tuner._buckets[32].seconds[5] == 0.5 * 21.0
+
+
+def test_the_served_c64_cost_model_turns_a_losing_draft_model_off() -> None:
+    """bench/tuner_sim.py's draft-model profile (fitted to the H200's served figures, where the
+    tuner drafted at full width at c=64 and served 0.38x no drafts): at c=64 with arrivals the
+    tuner fed every step keeps at least 0.92x no drafts in a row as short as the served ones
+    (0.98x over 2,000 requests), where drafting every step makes 0.41x; a cheap drafter keeps
+    its speedup."""
+    from bench.tuner_sim import PROFILES, simulate
+
+    draft_model, cheap = PROFILES
+    base = simulate(draft_model, "none", 64, 300)
+    assert simulate(draft_model, "always", 64, 300) < 0.5 * base
+    assert simulate(draft_model, "tuner", 64, 300) >= 0.92 * base
+    assert simulate(cheap, "tuner", 64, 300) >= 1.8 * base
+
+
+def test_one_slow_step_does_not_keep_a_paying_drafter_off() -> None:
+    """The drafting end's first measured step ran 10 times slow (a busy host): the tuner turns
+    drafting off, re-measures it every 64 decisions while each re-measurement moves its time,
+    and drafts again within a few hundred (a wait computed from that one sample would have been
+    thousands of decisions)."""
+    tuner = SpeculationTuner(4)
+    avail, k, first = 0, 0, True
+    ks = []
+    for _ in range(400):
+        k = tuner.choose([0.8], [avail])
+        p = tuner.propose([0.8], [4])
+        seconds = 1.0
+        if k == 4 and first:
+            seconds, first = 10.0, False
+        tuner.observe_step(1, 1 + k, seconds, p)
+        avail = p
+        ks.append(k)
+    assert 0 in ks[:60] and ks[-60:] == [4] * 60, ks
