@@ -62,7 +62,7 @@ def test_greedy_output_equals_target_greedy_for_each_mask_field(field: str, valu
         assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id
     assert sum(r.verified for r in reqs) > 0
     # one draft forward per proposal, each carrying w - 1 masks per request drafting w tokens
-    assert drafter.num_forwards == len(fed) > 0
+    assert drafter.num_proposals == len(fed) > 0
     masks = [int((ids == MASK).sum()) for ids in fed]
     assert max(masks) >= K - 1
 

@@ -78,6 +78,7 @@ class ModelExecutor:
         if batch_invariant not in BATCH_INVARIANT_MODES:
             raise ValueError(f"batch_invariant must be one of {BATCH_INVARIANT_MODES}")
         self.batch_invariant = batch_invariant
+        self.max_num_tokens = max_num_tokens  # the most tokens a caller should run in one forward
         if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
             raise ValueError(
                 f"the model must use attn_implementation={ATTN_IMPLEMENTATION!r} (load it with "

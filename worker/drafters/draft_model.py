@@ -1,8 +1,9 @@
 """A separate, smaller causal LM as the drafter, with its own KV cache.
 
 Per request the draft cache holds a valid prefix of the committed sequence. Each ``propose`` first
-catches up (one ragged forward over every committed token the draft has not seen, and always the
-last one, whose logits give the first draft), then runs k - 1 single-token steps. Drafts the target rejected are rolled back
+catches up (ragged forwards of at most the worker's token budget over every committed token the
+draft has not seen, and always the last one, whose logits give the first draft), then runs k - 1
+single-token steps. Drafts the target rejected are rolled back
 by comparing the remembered drafts with the newly committed tokens: no coupling to the sampler.
 """
 
@@ -12,6 +13,7 @@ import numpy as np
 import torch
 
 from worker.drafters.base import Drafter, Proposal, choose_tokens
+from worker.drafters.catch_up import forward_in_chunks
 from worker.host_copy import to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
@@ -91,8 +93,27 @@ class DraftModelDrafter(Drafter):
             np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]),
             device,
         )
-        last = to_device(np.cumsum(counts) - 1, device)
-        logits, _ = ex.forward(input_ids, positions, step_slots, starts, counts, last)
+
+        def run(
+            tokens: slice,
+            idx: list[int],
+            c_starts: list[int],
+            c_counts: list[int],
+            rows: np.ndarray,
+        ) -> torch.Tensor:
+            chunk_slots = [step_slots[j] for j in idx]
+            logits, _ = ex.forward(
+                input_ids[tokens],
+                positions[tokens],
+                chunk_slots,
+                c_starts,
+                c_counts,
+                to_device(rows, device),
+            )
+            return logits
+
+        # [len(active), draft vocab]: each request's last committed token
+        logits = forward_in_chunks(run, starts, counts, np.cumsum(counts) - 1, ex.max_num_tokens)
         for slot in step_slots:
             self.num_computed[slot] = int(states.num_tokens[slot])
 

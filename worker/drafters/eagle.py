@@ -3,9 +3,9 @@
 Per request the head keeps its own KV cache over the pairs (f_t, x_{t+1}) of the committed sequence:
 f_t is the target's hidden state at position t (given by the runner through ``observe`` once the
 position is committed), x_{t+1} the next committed token. With L committed tokens the target has
-given f_0 .. f_{L-2}; ``propose`` first catches the head up to pair L-2 (one ragged forward for
-every request), whose output predicts f_{L-1} and, through the target's LM head, draft 1. Each
-further draft feeds back (predicted hidden, previous draft). Draft pairs sit past the committed
+given f_0 .. f_{L-2}; ``propose`` first catches the head up to pair L-2 (ragged forwards of at most
+the worker's token budget, for every request at once), whose output predicts f_{L-1} and, through
+the target's LM head, draft 1. Each further draft feeds back (predicted hidden, previous draft). Draft pairs sit past the committed
 pairs in the head's cache and are dropped by keeping its length at L-1.
 """
 
@@ -16,6 +16,7 @@ import torch
 
 from worker.attention import ATTN_IMPLEMENTATION, build_metadata
 from worker.drafters.base import Drafter, Proposal, choose_tokens
+from worker.drafters.catch_up import forward_in_chunks
 from worker.eagle_head import EagleHead
 from worker.host_copy import to_device
 from worker.kv_cache import KVCache
@@ -36,7 +37,10 @@ class EagleDrafter(Drafter):
         max_num_seqs: int,
         max_model_len: int,
         max_num_tokens: int,
+        max_num_batched_tokens: int = 2048,
     ) -> None:
+        """``max_num_tokens``: the most drafts a request proposes; ``max_num_batched_tokens``:
+        the most pairs one catch-up forward of the head runs (the worker's token budget)."""
         cfg = head.config
         param = next(head.parameters())
         self.head = head
@@ -44,6 +48,7 @@ class EagleDrafter(Drafter):
         self.lm_head = target.get_output_embeddings()
         self.vocab_size = vocab_size
         self.max_num_tokens = max_num_tokens
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.device = param.device
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.kv_cache = KVCache(
@@ -73,6 +78,7 @@ class EagleDrafter(Drafter):
         max_num_seqs: int,
         max_model_len: int,
         max_num_tokens: int,
+        max_num_batched_tokens: int = 2048,
     ) -> EagleDrafter:
         """The head in ``head_dir`` (or ``"embedded"``), on the target's device and dtype."""
         param = next(target.parameters())
@@ -89,6 +95,7 @@ class EagleDrafter(Drafter):
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             max_num_tokens=max_num_tokens,
+            max_num_batched_tokens=max_num_batched_tokens,
         )
 
     def remove(self, slot: int) -> None:
@@ -157,10 +164,30 @@ class EagleDrafter(Drafter):
             feat_slot.extend([slot] * (length - 1 - start))
             feat_pos.extend(range(start, length - 1))
             self.num_computed[slot] = length - 1
-        next_tokens = to_device(np.concatenate(tok_idx).astype(np.int64), device)
-        feats = self.features[to_device(feat_slot, device), to_device(feat_pos, device)]  # [T, H]
-        last = to_device(np.cumsum(counts) - 1, device)
-        hidden = self._run(run_slots, starts, counts, self.embed(next_tokens), feats, last)
+        next_tokens = to_device(np.concatenate(tok_idx).astype(np.int64), device)  # [T]
+        feat_slots, feat_positions = to_device(feat_slot, device), to_device(feat_pos, device)
+
+        def run(
+            tokens: slice,
+            idx: list[int],
+            c_starts: list[int],
+            c_counts: list[int],
+            rows: np.ndarray,
+        ) -> torch.Tensor:
+            feats = self.features[feat_slots[tokens], feat_positions[tokens]]  # [t, H]
+            return self._run(
+                [run_slots[j] for j in idx],
+                c_starts,
+                c_counts,
+                self.embed(next_tokens[tokens]),
+                feats,
+                to_device(rows, device),
+            )
+
+        # [A, H]: the predicted hidden after each request's last committed pair
+        hidden = forward_in_chunks(
+            run, starts, counts, np.cumsum(counts) - 1, self.max_num_batched_tokens
+        )
         rows = to_device(active, device)
         positions = [int(states.num_tokens[s]) - 1 for s in run_slots]
         for j in range(kmax):
