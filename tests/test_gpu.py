@@ -91,3 +91,15 @@ def test_cuda_fp32_open_steps_greedy_equals_target_greedy(graphs: bool) -> None:
         max_num_draft_tokens=0,
     )
     run_arrivals_and_a_taken_slot(runner, ref)
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle"])
+def test_cuda_fp32_a_drafter_turned_down_to_zero_leaves_its_steps_open(kind: str) -> None:
+    """--pipeline-steps with a drafter whose proposals the tuner caps at zero on most steps: the
+    held steps' tokens read back late, the EAGLE head fed from held steps; the same output,
+    drafts and proposals as with every step closed, and target-only greedy."""
+    from tests.test_pipeline_steps import check_drafter_turned_down
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    check_drafter_turned_down(kind, "cuda")

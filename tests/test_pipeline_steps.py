@@ -14,20 +14,29 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import jsonschema
+import msgspec
 import numpy as np
 import pytest
 import torch
 
 from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
 from scheduler_client import Engine
-from tests.models import greedy_reference, reference_copy, tiny_model
+from tests.models import VOCAB, greedy_reference, near_copy, reference_copy, tiny_model
+from tests.test_catch_up import drafts_of
 from tests.test_overlap import check_greedy, check_structured_greedy
 from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
-from worker.drafters.base import NoDrafter
+from worker.attention import ATTN_IMPLEMENTATION
+from worker.drafters.base import Drafter, NoDrafter
+from worker.drafters.draft_model import DraftModelDrafter
+from worker.drafters.eagle import EagleDrafter
+from worker.drafters.ngram import NgramDrafter
+from worker.eagle_head import EagleHead, head_config
 from worker.model_executor import ModelExecutor
 from worker.runner import LaunchedStep, ModelRunner
 
 MAX_LEN = 64
+LONG = 128  # the drafting runners' model length
+K = 4
 
 
 def runner(seed: int = 11, max_num_seqs: int = 2) -> ModelRunner:
@@ -40,8 +49,8 @@ def runner(seed: int = 11, max_num_seqs: int = 2) -> ModelRunner:
     )
 
 
-def new(req_id: str, prompt: list[int], **sampling: object) -> NewRequest:
-    return NewRequest(req_id, np.array(prompt, np.int32), SamplingParams(**sampling), 0)  # type: ignore[arg-type]
+def new(req_id: str, prompt: list[int], k: int = 0, **sampling: object) -> NewRequest:
+    return NewRequest(req_id, np.array(prompt, np.int32), SamplingParams(**sampling), k)  # type: ignore[arg-type]
 
 
 def sched(
@@ -74,6 +83,7 @@ class Overlapped:
         self.out: dict[str, list[int]] = {}
         self.pipelined = 0
         self.drafts: list[tuple[int, list[str], list[int]]] = []  # step, samplers, committed
+        self.widths: dict[str, int] = {}  # each request's drafts in the last DraftTokenIds
 
     def step(self, s: SchedulerOutput) -> None:
         launched = self.r.launch(s, hold=True)
@@ -100,6 +110,7 @@ class Overlapped:
             assert drafts is not None and drafts.step_id == out.step_id
             assert list(drafts.req_ids) == samplers
             self.drafts.append((drafts.step_id, samplers, drafts.num_committed_tokens.tolist()))
+            self.widths.update(zip(drafts.req_ids, drafts.num_draft_tokens.tolist(), strict=True))
         else:
             assert drafts is None
         flat = out.sampled_token_ids.tolist()
@@ -169,22 +180,124 @@ def test_open_steps_sampled_equal_closed_steps() -> None:
     assert len(open_["s"]) == 9 and len(open_["g"]) == 4
 
 
-def test_a_step_with_drafts_is_never_left_open() -> None:
-    """A drafter proposes from committed tokens: with one, no step is held."""
-    from worker.drafters.ngram import NgramDrafter
+def drafting_runner(
+    kind: str, seed: int, device: str = "cpu", cuda_graphs: bool = True
+) -> tuple[ModelRunner, torch.nn.Module]:
+    """A runner with a drafter of ``kind`` (K = 4) on a tiny target; the target's reference (on
+    the CPU)."""
+    target = tiny_model("llama", seed)
+    ref = reference_copy(target)
+    draft = near_copy(target, seed + 1).to(device)  # noise drawn on the CPU, as in every test
+    target = target.to(device)
 
+    def executor(model: torch.nn.Module) -> ModelExecutor:
+        return ModelExecutor(
+            model, max_num_seqs=2, max_model_len=LONG, decode_width=1 + K, cuda_graphs=cuda_graphs
+        )
+
+    drafter: Drafter
+    if kind == "ngram":
+        drafter = NgramDrafter(min_n=1, max_n=3, max_num_tokens=K)
+    elif kind == "draft_model":
+        drafter = DraftModelDrafter(executor(draft), max_num_tokens=K)
+    else:
+        torch.manual_seed(seed + 2)
+        head = EagleHead(head_config(target.config), ATTN_IMPLEMENTATION).eval().to(device)
+        drafter = EagleDrafter(
+            head, target, vocab_size=VOCAB, max_num_seqs=2, max_model_len=LONG, max_num_tokens=K
+        )
     r = ModelRunner(
-        ModelExecutor(tiny_model("llama", 13), max_num_seqs=1, max_model_len=MAX_LEN),
-        NgramDrafter(min_n=1, max_n=2, max_num_tokens=2),
-        max_num_seqs=1,
-        max_model_len=MAX_LEN,
-        max_num_draft_tokens=2,
+        executor(target),
+        drafter,
+        max_num_seqs=2,
+        max_model_len=LONG,
+        max_num_draft_tokens=K,
     )
-    assert not r.can_hold
-    launched = r.launch(sched(0, {"a": 4}, [new("a", [1, 2, 1, 2])]), hold=True)
+    return r, ref
+
+
+def test_a_step_is_left_open_only_when_it_proposes_nothing() -> None:
+    """With a drafter, a step that proposes drafts after it (the drafter reads the committed
+    tokens) is closed; one whose proposals the scheduler caps at zero, or whose samplers have no
+    speculation length, is left open."""
+    r, _ = drafting_runner("ngram", 13)
+    launched = r.launch(sched(0, {"a": 4}, [new("a", [1, 2, 1, 2], k=2)]), hold=True)
     assert not launched.open
     out, _ = r.finish(launched)
     assert out.num_sampled.tolist() == [1]
+    for step_id, cap, held in ((1, -1, False), (2, 2, False), (3, 0, True)):
+        s = msgspec.structs.replace(sched(step_id, {"a": 1}), max_draft_proposals=cap)
+        launched = r.launch(s, hold=True)
+        assert launched.open == held, cap
+        r.finish(launched)
+    r.states.num_speculative[r.states.slot_of["a"]] = 0  # the request asked for no drafts
+    launched = r.launch(sched(10, {"a": 1}), hold=True)
+    assert launched.open
+    r.finish(launched)
+
+
+def run_tuner_pattern(r: ModelRunner, hold: bool, steps: int = 18) -> Overlapped:
+    """Two requests, the scheduler's proposal cap at zero for most steps and at K every fourth
+    (a tuner re-measuring a drafter it turned down): the step after a proposal verifies what was
+    proposed; with ``hold`` every step that proposes nothing is left open."""
+    pa, pb = [5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11, 12, 9]
+    drv = Overlapped(r)
+    prev_cap = 0
+    for i in range(steps):
+        cap = K if i % 4 == 2 else 0
+        # drafts proposed after the previous step; none when it proposed nothing (the
+        # scheduler knows its own cap: that step may still be open)
+        widths = {q: drv.widths.get(q, 0) if prev_cap else 0 for q in ("a", "b")}
+        if i == 0:
+            counts = {"a": len(pa), "b": len(pb)}
+            news = [new("a", pa, k=K), new("b", pb, k=K)]
+        else:
+            counts, news = {"a": 1 + widths["a"], "b": 1 + widths["b"]}, []
+        s = sched(i, counts, news)
+        w = np.array([widths.get(q, 0) if i else 0 for q in counts], np.int32)
+        s = msgspec.structs.replace(
+            s,
+            num_draft_tokens=w,
+            draft_token_ids=np.full(int(w.sum()), -1, np.int32),
+            max_draft_proposals=cap,
+        )
+        if hold:
+            drv.step(s)
+        else:
+            drv.take(r.launch(s))
+        prev_cap = cap
+    drv.drain()
+    return drv
+
+
+@pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle"])
+def test_a_drafter_turned_down_to_zero_leaves_its_steps_open(kind: str) -> None:
+    check_drafter_turned_down(kind, "cpu")
+
+
+def check_drafter_turned_down(kind: str, device: str, cuda_graphs: bool = True) -> None:
+    """The steps a tuner leaves at zero width are held as with no drafter, and the output, each
+    DraftTokenIds and every proposal are those of the same steps closed: the drafter caught up
+    from tokens read back late (the EAGLE head from hidden states fed by the held steps), and
+    the output is target-only greedy."""
+    runs = {}
+    features = []  # the EAGLE head's store of the target's hidden states, after each run
+    for hold in (True, False):
+        r, ref = drafting_runner(kind, 21, device, cuda_graphs)
+        proposals = drafts_of(r.drafter)
+        drv = run_tuner_pattern(r, hold)
+        runs[hold] = (drv.out, drv.drafts, proposals, drv.pipelined)
+        if isinstance(r.drafter, EagleDrafter):
+            features.append(r.drafter.features.clone())
+    (out, drafts, proposals, pipelined), (c_out, c_drafts, c_proposals, _) = runs[True], runs[False]
+    assert pipelined >= 8, pipelined
+    # a random head's drafts hardly depend on the features: compare what it was fed
+    assert not features or torch.equal(features[0], features[1])
+    assert out == c_out and drafts == c_drafts and proposals == c_proposals
+    assert any(any(p) for p in proposals), "nothing was drafted"
+    for q, prompt in (("a", [5, 6, 7, 5, 6, 7, 5, 6]), ("b", [9, 10, 11, 12, 9, 10, 11, 12, 9])):
+        assert out[q] == greedy_reference(ref, prompt, len(out[q])), q
+    assert min(len(out["a"]), len(out["b"])) >= 18
 
 
 # -- through two processes ---------------------------------------------------------------------
@@ -313,3 +426,25 @@ def test_three_steps_in_flight_structured_greedy_equals_sync(
 ) -> None:
     check_structured_greedy(deep[0], deep[1])
     assert deep[1].num_worker_restarts == 0
+
+
+def test_steps_that_propose_no_drafts_are_left_open_with_a_drafter(
+    deep: tuple[Engine, Engine, Path],
+) -> None:
+    """Requests that ask for no drafts leave their steps open whatever the worker's drafter (as
+    steps whose proposals the tuner caps at zero do), and stay target-only greedy."""
+    _, deep3, log = deep
+    before = worker_metric(log, "specd_worker_pipelined_steps_total")
+    ref = reference_copy(tiny_model("llama", SEED, vocab=259))
+    ps = prompts(4)
+    reqs = deep3.generate(
+        [
+            {"prompt": p, "max_tokens": 10 + i, "ignore_eos": True, "num_speculative_tokens": 0}
+            for i, p in enumerate(ps)
+        ]
+    )
+    for i, (r, p) in enumerate(zip(reqs, ps, strict=True)):
+        assert r.error is None, r.error
+        assert r.output_ids == greedy_reference(ref, p, 10 + i), r.req_id
+    assert worker_metric(log, "specd_worker_pipelined_steps_total") > before
+    assert deep3.num_worker_restarts == 0

@@ -138,7 +138,7 @@ class ModelRunner:
     ) -> LaunchedStep:
         """The step up to its sampled tokens: checks, layout, forward, grammar rows, sampling.
 
-        With ``hold`` a step that verifies no drafts (and runs no drafter) is left open: its
+        With ``hold`` a step that verifies and proposes no drafts (``may_hold``) is left open: its
         sampled tokens stay on the device, copied to the host behind the kernels, and its commit
         is done in advance (each sampling request's length moves on by one token whose value is
         still on the device). The next step may then be launched before this one is finished:
@@ -188,8 +188,8 @@ class ModelRunner:
             for slot in self.states.slot_of.values():
                 self.target.kv_cache.trim(slot, int(self.states.num_computed[slot]))
             raise
-        if hold and self.can_hold and not any(batch.num_drafts) and batch.sample_idx:
-            self._hold(step, logits)
+        if hold and self.may_hold(sched, batch):
+            self._hold(step, logits, hidden)
             return step
         tokens, num_accepted = self.accept(sched, batch, logits)
         for j, cap in caps.items():  # at most the drafts the grammar allows (greedy only)
@@ -228,14 +228,22 @@ class ModelRunner:
             step.sched.step_id, batch, step.tokens, step.num_sampled, step.num_accepted
         ), step.rejected
 
-    @property
-    def can_hold(self) -> bool:
-        """Steps may be left open only without a drafter: a drafter proposes from the committed
-        tokens, which an open step has not read back yet."""
-        return isinstance(self.drafter, NoDrafter)
+    def may_hold(self, sched: SchedulerOutput, batch: StepBatch) -> bool:
+        """A step may be left open when it samples, verifies no drafts and proposes none after
+        it: a drafter proposes from the committed tokens, which an open step has not read back
+        yet. Nothing is proposed without a drafter, when the scheduler caps the proposals at zero
+        (its tuner turned drafting down: then a drafter costs what no drafter does), or when no
+        request that samples has a speculation length."""
+        if not batch.sample_idx or any(batch.num_drafts):
+            return False
+        if isinstance(self.drafter, NoDrafter) or sched.max_draft_proposals == 0:
+            return True
+        return not self.states.num_speculative[[batch.slots[i] for i in batch.sample_idx]].any()
 
-    def _hold(self, step: LaunchedStep, logits: torch.Tensor) -> None:
-        """Sample on the device, queue the tokens' copy to the host, and commit the lengths."""
+    def _hold(self, step: LaunchedStep, logits: torch.Tensor, hidden: torch.Tensor) -> None:
+        """Sample on the device, queue the tokens' copy to the host, and commit the lengths (and
+        give a drafter that reads them the target's hidden states: nothing was drafted, so every
+        position the step ran is committed)."""
         batch, st = step.batch, self.states
         params = [st.sampling[batch.slots[i]] for i in batch.sample_idx]
         if all(p.temperature == 0 for p in params):  # type: ignore[union-attr]
@@ -258,6 +266,8 @@ class ModelRunner:
         self._trim(batch)
         step.num_sampled = num_sampled
         step.num_accepted = np.zeros(len(batch.sample_idx), np.int64)
+        if self.drafter.needs_hidden_states:
+            self.feed_hidden_states(batch, hidden, step.num_accepted)
         self._open.append(step)
 
     def _fill_open_tokens(self, batch: StepBatch) -> None:
@@ -471,9 +481,9 @@ class ModelRunner:
             return
         lengths = st.num_tokens[slots] if committed is None else np.asarray(committed, np.int64)
         if live is not None and not all(live):
-            # only an open step sees its requests leave, and a step is held only without a
-            # drafter: there are no drafts to keep, and a slot taken since is not touched
-            assert self.can_hold
+            # only an open step sees its requests leave, and a step is held only when it
+            # proposes nothing (may_hold): there are no drafts to keep, and a slot taken since is
+            # not touched
             none = np.zeros(len(slots), np.int64)
             zeros = torch.zeros((len(slots), 1), dtype=torch.long, device=self.device)
             self.draft_tokens.set_draft_tokens(req_ids, zeros, none, lengths, none.astype(bool))

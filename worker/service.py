@@ -195,9 +195,10 @@ class WorkerLoop:
         pipeline_steps: bool = False,
     ) -> None:
         self.metrics = metrics or WorkerMetrics()
-        # --pipeline-steps: a step with no drafts is left open (its tokens on the device) while
-        # the next step, when it has already arrived, is launched behind it (ModelRunner.launch)
-        self.pipeline = pipeline_steps and isinstance(runner, ModelRunner) and runner.can_hold
+        # --pipeline-steps: a step that verifies and proposes no drafts is left open (its tokens
+        # on the device) while the next step, when it has already arrived, is launched behind it
+        # (ModelRunner.launch, may_hold)
+        self.pipeline = pipeline_steps and isinstance(runner, ModelRunner)
         self.open_step: tuple[bytes, LaunchedStep, float, int, int] | None = None
         self._last_end = 0.0
         self.parent_pid = parent_pid  # stop when this process is no longer our parent
