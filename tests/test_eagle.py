@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,9 +13,11 @@ from protocol.messages import SamplingParams
 from tests.driver import Req, run
 from tests.models import VOCAB, greedy_reference, reference_copy, tiny_model
 from worker.attention import ATTN_IMPLEMENTATION
+from worker.drafters.base import Proposal
 from worker.drafters.eagle import EagleDrafter
 from worker.eagle_head import EagleHead, head_config
 from worker.model_executor import ModelExecutor
+from worker.requests import RequestStates
 from worker.runner import ModelRunner
 
 K = 4
@@ -87,6 +90,60 @@ def test_a_head_that_predicts_the_target_is_accepted() -> None:
     assert sum(r.accepted for r in reqs) / sum(r.verified for r in reqs) > 0.3
     # and not all of them (57 of 92 here): commit and roll-back after partial acceptance run
     assert sum(r.accepted for r in reqs) < sum(r.verified for r in reqs)
+
+
+def test_the_feature_store_pages_through_the_target_block_table() -> None:
+    """The head's feature store and KV cache are sized by the target's paged cache (8 blocks
+    here, against 64 for four full-length slots), and requests that come and go two at a time
+    reuse each other's blocks. Before every proposal, each f_t the catch-up may read (positions
+    0 .. L-2 of the request) equals the target's hidden state from a cacheless forward of the
+    committed tokens: it was written to, and read from, the row the target's block table names."""
+    from worker.kv_cache import draft_num_blocks
+
+    target = tiny_model("llama", seed=46)
+    ref = reference_copy(target)
+    drafter = EagleDrafter(
+        random_head(target, 4),
+        target,
+        vocab_size=VOCAB,
+        max_num_seqs=4,
+        max_model_len=256,
+        max_num_tokens=K,
+    )
+    executor = ModelExecutor(
+        target, max_num_seqs=4, max_model_len=256, decode_width=1 + K, num_kv_blocks=8
+    )
+    runner = ModelRunner(
+        executor, drafter, max_num_seqs=4, max_model_len=256, max_num_draft_tokens=K
+    )
+    assert drafter.features.shape[0] == (8 + 1) * executor.kv_cache.block_size
+    assert drafter.kv_cache.num_blocks == draft_num_blocks(8, 4, 256, 16, K) < 64
+    propose = drafter.propose
+    checked = 0
+
+    def check(states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
+        nonlocal checked
+        for slot, w in zip(slots, widths, strict=True):
+            tokens = states.tokens(slot)
+            if not w or len(tokens) < 2:
+                continue
+            with torch.no_grad():
+                want = ref.model(torch.as_tensor(tokens[:-1])[None]).last_hidden_state[0]
+            rows = drafter.feature_rows(np.full(len(tokens) - 1, slot), np.arange(len(tokens) - 1))
+            torch.testing.assert_close(drafter.features[rows], want, rtol=1e-4, atol=1e-4)
+            checked += 1
+        return propose(states, slots, widths)
+
+    drafter.propose = check  # type: ignore[method-assign]
+    prompt = [3, 9, 4, 9, 5, 3, 9, 4, 9, 5, 6]
+    reqs = [
+        Req(f"r{i}", [7 + i, *prompt], 20, k=K, arrive=25 * (i // 2), chunk=5 if i == 3 else 0)
+        for i in range(6)
+    ]
+    got = run(runner, reqs)
+    for r in reqs:
+        assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id
+    assert checked > 30, checked
 
 
 def test_head_files_round_trip(tmp_path: Path) -> None:

@@ -24,6 +24,16 @@ def default_num_blocks(max_num_seqs: int, max_model_len: int, block_size: int) -
     return max_num_seqs * -(-max_model_len // block_size)
 
 
+def draft_num_blocks(
+    target_blocks: int, max_num_seqs: int, max_model_len: int, block_size: int, k: int
+) -> int:
+    """Blocks for a drafter's own cache (a draft model's, the EAGLE head's) beside a target
+    cache of ``target_blocks``: it runs up to k positions past the target's committed length, so
+    it gets the target's blocks plus that much per request (never more than full-length slots)."""
+    full = default_num_blocks(max_num_seqs, max_model_len, block_size)
+    return min(full, target_blocks + max_num_seqs * (-(-(k + 1) // block_size) + 1))
+
+
 class KVCache:
     """Owned by one ``ModelExecutor`` (or the EAGLE drafter); written only by the attention
     function during its forward. ``blocks`` says which blocks belong to which slot."""

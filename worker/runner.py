@@ -91,6 +91,7 @@ class ModelRunner:
     ) -> None:
         self.target = target
         self.drafter = drafter
+        drafter.bind(target)
         self.device = target.device
         self.vocab_size = target.vocab_size
         self.max_num_draft_tokens = max_num_draft_tokens

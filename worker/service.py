@@ -44,7 +44,7 @@ from worker.drafters.eagle import EagleDrafter
 from worker.drafters.ngram import NgramDrafter
 from worker.drafters.parallel import ParallelDrafter
 from worker.env import profile_dir
-from worker.kv_cache import default_num_blocks
+from worker.kv_cache import default_num_blocks, draft_num_blocks
 from worker.metrics import WorkerMetrics
 from worker.model_executor import ModelExecutor, kv_blocks_for_memory
 from worker.model_loader import eos_token_ids, load_model
@@ -87,9 +87,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             f"--kv-cache-memory {cfg.kv_cache_memory_gib} GiB holds {target_blocks} blocks, "
             f"fewer than one --max-model-len {cfg.max_model_len} sequence needs"
         )
-    # A draft cache runs up to k positions past the target's committed length: it gets the
-    # target's blocks plus that much per request (never more than full-length slots).
-    draft_blocks = min(full, target_blocks + cfg.max_num_seqs * (-(-(k + 1) // bs) + 1))
+    draft_blocks = draft_num_blocks(target_blocks, cfg.max_num_seqs, cfg.max_model_len, bs, k)
 
     def executor_for(model: torch.nn.Module, num_kv_blocks: int) -> ModelExecutor:
         return ModelExecutor(

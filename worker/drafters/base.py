@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from worker.host_copy import to_device
+from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
 from worker.sampling import probs_from_logits, sample_from
 
@@ -37,6 +38,10 @@ class Drafter(ABC):
 
     @abstractmethod
     def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal: ...
+
+    def bind(self, target: ModelExecutor) -> None:  # noqa: B027 - most drafters need nothing
+        """Called once by the ``ModelRunner`` that owns the drafter, before any step, with the
+        target's executor (state kept per target position pages through its block table)."""
 
     def remove(self, slot: int) -> None:  # noqa: B027 - most drafters keep no per-request state
         pass

@@ -5,8 +5,9 @@ f_t is the target's hidden state at position t (given by the runner through ``ob
 position is committed), x_{t+1} the next committed token. With L committed tokens the target has
 given f_0 .. f_{L-2}; ``propose`` first catches the head up to pair L-2 (ragged forwards of at most
 the worker's token budget, for every request at once), whose output predicts f_{L-1} and, through
-the target's LM head, draft 1. Each further draft feeds back (predicted hidden, previous draft). Draft pairs sit past the committed
-pairs in the head's cache and are dropped by keeping its length at L-1.
+the target's LM head, draft 1. Each further draft feeds back (predicted hidden, previous draft).
+Draft pairs sit past the committed pairs in the head's cache and are dropped by keeping its length
+at L-1. The head's cache and the store of f_t are paged like the target's (``bind``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,13 @@ import numpy as np
 import torch
 
 from worker.attention import ATTN_IMPLEMENTATION, build_metadata
+from worker.block_table import BlockTable
 from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.drafters.catch_up import forward_in_chunks
 from worker.eagle_head import EagleHead
 from worker.host_copy import to_device
-from worker.kv_cache import KVCache
+from worker.kv_cache import KVCache, draft_num_blocks
+from worker.model_executor import ModelExecutor
 from worker.paged_kernel import use_kernel
 from worker.requests import RequestStates
 
@@ -47,27 +50,76 @@ class EagleDrafter(Drafter):
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.vocab_size = vocab_size
+        self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
         self.max_num_tokens = max_num_tokens
         self.max_num_batched_tokens = max_num_batched_tokens
         self.device = param.device
-        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.kv_cache = KVCache(
-            num_layers=1,
-            num_kv_heads=cfg.num_key_value_heads,
-            head_dim=head_dim,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            dtype=param.dtype,
-            device=self.device,
-        )
-        self.kernel = use_kernel(self.device, head_dim)  # the target's attention kernel
-        # [slot, position, H] the target's hidden states of committed positions
-        self.features = torch.zeros(
-            (max_num_seqs, max_model_len, cfg.hidden_size), dtype=param.dtype, device=self.device
-        )
+        self.dtype = param.dtype
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.kernel = use_kernel(self.device, self.head_dim)  # the target's attention kernel
+        # Sized by the target's paged cache in ``bind``: the head's own KV cache, and
+        # [target cache rows, H] the target's hidden states of committed positions, each at the
+        # flat row where the target keeps that position's keys.
+        self._kv_cache: KVCache | None = None
+        self._features: torch.Tensor | None = None
+        self._target_blocks: BlockTable | None = None
         self.num_features = np.zeros(max_num_seqs, np.int64)  # slot -> positions with f_t
         self.num_computed = np.zeros(max_num_seqs, np.int64)  # slot -> pairs in the head's cache
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+
+    def bind(self, target: ModelExecutor) -> None:
+        """The feature store pages through the target's block table: one row per row of the
+        target's KV cache, so its memory follows the target's KV capacity (``--kv-cache-memory``)
+        rather than max_num_seqs x max_model_len (an 8B target at 32k context and 64 sequences:
+        17 GB). The head's own KV cache gets the target's block count plus the drafts' reach."""
+        tc = target.kv_cache
+        if (tc.max_num_seqs, tc.max_model_len) != (self.max_num_seqs, self.max_model_len):
+            raise ValueError(
+                f"the EAGLE drafter was built for {self.max_num_seqs} sequences of "
+                f"{self.max_model_len} tokens, the target's cache for {tc.max_num_seqs} of "
+                f"{tc.max_model_len}"
+            )
+        cfg = self.head.config
+        self._target_blocks = tc.blocks
+        self._features = torch.zeros(
+            ((tc.num_blocks + 1) * tc.block_size, cfg.hidden_size),
+            dtype=self.dtype,
+            device=self.device,
+        )
+        self._kv_cache = KVCache(
+            num_layers=1,
+            num_kv_heads=cfg.num_key_value_heads,
+            head_dim=self.head_dim,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=self.dtype,
+            device=self.device,
+            block_size=tc.block_size,
+            num_blocks=draft_num_blocks(
+                tc.num_blocks,
+                self.max_num_seqs,
+                self.max_model_len,
+                tc.block_size,
+                self.max_num_tokens,
+            ),
+        )
+
+    @property
+    def kv_cache(self) -> KVCache:
+        assert self._kv_cache is not None, "EagleDrafter.bind(target) first (ModelRunner does)"
+        return self._kv_cache
+
+    @property
+    def features(self) -> torch.Tensor:
+        """[target cache rows, H]"""
+        assert self._features is not None, "EagleDrafter.bind(target) first (ModelRunner does)"
+        return self._features
+
+    def feature_rows(self, slots: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """[N] the feature store's rows of (slot, position) pairs, on the device."""
+        assert self._target_blocks is not None, "EagleDrafter.bind(target) first"
+        return to_device(self._target_blocks.cache_rows(slots, positions), self.device)
 
     @classmethod
     def from_files(
@@ -101,13 +153,14 @@ class EagleDrafter(Drafter):
     def remove(self, slot: int) -> None:
         self.num_features[slot] = 0
         self.num_computed[slot] = 0
-        self.kv_cache.free(slot)
+        if self._kv_cache is not None:
+            self._kv_cache.free(slot)
 
     def observe(self, slots: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
         if not len(slots):
             return
-        s, p = to_device(slots, self.device), to_device(positions, self.device)
-        self.features[s, p] = hidden.to(self.features.dtype)
+        # committed positions: their blocks stay the target's until the request leaves
+        self.features[self.feature_rows(slots, positions)] = hidden.to(self.dtype)
         np.maximum.at(self.num_features, slots, positions + 1)
 
     def _run(
@@ -165,7 +218,9 @@ class EagleDrafter(Drafter):
             feat_pos.extend(range(start, length - 1))
             self.num_computed[slot] = length - 1
         next_tokens = to_device(np.concatenate(tok_idx).astype(np.int64), device)  # [T]
-        feat_slots, feat_positions = to_device(feat_slot, device), to_device(feat_pos, device)
+        feat_rows = self.feature_rows(
+            np.asarray(feat_slot, np.int64), np.asarray(feat_pos, np.int64)
+        )
 
         def run(
             tokens: slice,
@@ -174,7 +229,7 @@ class EagleDrafter(Drafter):
             c_counts: list[int],
             rows: np.ndarray,
         ) -> torch.Tensor:
-            feats = self.features[feat_slots[tokens], feat_positions[tokens]]  # [t, H]
+            feats = self.features[feat_rows[tokens]]  # [t, H]
             return self._run(
                 [run_slots[j] for j in idx],
                 c_starts,
