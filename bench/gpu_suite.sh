@@ -141,7 +141,7 @@ if has serve; then
       --num-requests ${SERVE_REQUESTS:-128} --max-tokens ${MAX_TOKENS:-128} ${SERVE_ARGS:-} \
       --scheduler-args "${SERVE_SCHED_ARGS:-}" \
       --log-dir "$OUT/serve_logs_$m" --json-out "$OUT/serve_$m.json" > "$OUT/serve_$m.log" 2>&1
-    grep "^|" "$OUT/serve_$m.log" || tail -5 "$OUT/serve_$m.log"
+    grep "^|\|^floors" "$OUT/serve_$m.log" || tail -5 "$OUT/serve_$m.log"
   done
 fi
 if has prep; then

@@ -267,7 +267,7 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
     """The runner without scheduler or sockets on the same unconstrained prompts, ``c`` at once."""
     import torch
 
-    from bench.lossless_bench import decode, make_drafter, make_runner
+    from bench.lossless_bench import decode, floors, make_drafter, make_runner
     from scheduler_client.tokenizer import TokenizerInfo
     from worker.model_loader import load_model
 
@@ -319,6 +319,13 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
                     "mean_acceptance_length": round(out["mean_len"], 3) if k else None,
                 }
             )
+            if c == 1 and k == 0:
+                # the batch-1 step against the weight-read floor (on CUDA: weight bytes over HBM
+                # bandwidth) and its own graph's replay: the 8B criterion's denominator
+                rows[-1]["floors"] = {
+                    key: round(v, 4)
+                    for key, v in floors(loaded.model, runner, seconds / max(steps, 1)).items()
+                }
             print(json.dumps(rows[-1]), flush=True)
             del runner
     return rows
@@ -461,6 +468,9 @@ def main() -> None:
     if "hf-graph" in a.paths:
         rows += hf_graph(a)
     print(table(rows))
+    for r in rows:
+        if r.get("floors"):
+            print(f"floors ({r['path']} {r['drafter']} {r['load']}): {json.dumps(r['floors'])}")
     if a.json_out:
         with open(a.json_out, "w") as f:
             json.dump({"args": vars(a), "rows": rows}, f, indent=1)
