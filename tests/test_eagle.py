@@ -146,6 +146,33 @@ def test_the_feature_store_pages_through_the_target_block_table() -> None:
     assert checked > 30, checked
 
 
+def test_the_head_cache_has_room_when_the_target_cache_is_full() -> None:
+    """Two prompts fill all 8 blocks of the target's cache; the head's cache holds the same
+    pairs plus the drafts past them, which it can only do with the drafts' reach on top of the
+    target's block count (kv_cache.draft_num_blocks): with the target's count alone its catch-up
+    ran out of blocks (KVCacheFull, a worker crash)."""
+    from tests.test_pipeline_steps import new, sched
+
+    target = tiny_model("llama", seed=46)
+    drafter = EagleDrafter(
+        random_head(target, 4), target, vocab_size=VOCAB, max_num_seqs=2, max_model_len=128,
+        max_num_tokens=K,
+    )  # fmt: skip
+    ex = ModelExecutor(
+        target, max_num_seqs=2, max_model_len=128, decode_width=1 + K, num_kv_blocks=8
+    )
+    runner = ModelRunner(ex, drafter, max_num_seqs=2, max_model_len=128, max_num_draft_tokens=K)
+    rng = np.random.default_rng(0)
+    pa, pb = rng.integers(3, VOCAB, 64).tolist(), rng.integers(3, VOCAB, 64).tolist()
+    out, rejected = runner.execute(
+        sched(0, {"a": 64, "b": 64}, [new("a", pa, k=K), new("b", pb, k=K)])
+    )
+    assert not rejected and out.num_sampled.tolist() == [1, 1]
+    assert ex.kv_cache.blocks.num_free == 0
+    held = drafter.kv_cache.blocks.num_held[:2]
+    assert held.sum() > ex.kv_cache.num_blocks, held  # past the target's count: the reach
+
+
 def test_head_files_round_trip(tmp_path: Path) -> None:
     target = tiny_model("llama", seed=44)
     head = random_head(target, 2)

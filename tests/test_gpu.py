@@ -102,4 +102,4 @@ def test_cuda_fp32_a_drafter_turned_down_to_zero_leaves_its_steps_open(kind: str
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    check_drafter_turned_down(kind, "cuda")
+    check_drafter_turned_down(kind, "cuda", widths_are_caps=True)

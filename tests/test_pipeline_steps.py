@@ -84,6 +84,7 @@ class Overlapped:
         self.pipelined = 0
         self.drafts: list[tuple[int, list[str], list[int]]] = []  # step, samplers, committed
         self.widths: dict[str, int] = {}  # each request's drafts in the last DraftTokenIds
+        self.verified: list[list[int]] = []  # each output's drafts verified per request
 
     def step(self, s: SchedulerOutput) -> None:
         launched = self.r.launch(s, hold=True)
@@ -102,6 +103,7 @@ class Overlapped:
     def take(self, launched: LaunchedStep) -> None:
         out, rejected = self.r.finish(launched)
         assert not rejected
+        self.verified.append(out.num_draft_tokens.tolist())
         # the scheduler waits for a DraftTokenIds after every output that sampled: each sampler
         # listed, with its committed length after this step (whoever left since)
         drafts = self.r.take_draft_tokens()
@@ -236,10 +238,17 @@ def test_a_step_is_left_open_only_when_it_proposes_nothing() -> None:
     r.finish(launched)
 
 
-def run_tuner_pattern(r: ModelRunner, hold: bool, steps: int = 18) -> Overlapped:
+def run_tuner_pattern(
+    r: ModelRunner, hold: bool, widths_are_caps: bool, steps: int = 18
+) -> Overlapped:
     """Two requests, the scheduler's proposal cap at zero for most steps and at K every fourth
-    (a tuner re-measuring a drafter it turned down): the step after a proposal verifies what was
-    proposed; with ``hold`` every step that proposes nothing is left open."""
+    (a tuner re-measuring a drafter it turned down); with ``hold`` every step that proposes
+    nothing is left open. The step after a proposal verifies what was proposed. With
+    ``widths_are_caps`` (overlap scheduling, whose tuner chooses a width before it knows what
+    was proposed) every decode step sends K placeholders as a cap and runs the drafts the
+    worker holds: none after a step that proposed none, even while that step is open. Every
+    other proposal is then left unverified (a width of 0 the step after it), so the step after
+    that, launched behind it, must not run the drafts proposed two steps before."""
     pa, pb = [5, 6, 7, 5, 6, 7, 5, 6], [9, 10, 11, 12, 9, 10, 11, 12, 9]
     drv = Overlapped(r)
     prev_cap = 0
@@ -248,6 +257,9 @@ def run_tuner_pattern(r: ModelRunner, hold: bool, steps: int = 18) -> Overlapped
         # drafts proposed after the previous step; none when it proposed nothing (the
         # scheduler knows its own cap: that step may still be open)
         widths = {q: drv.widths.get(q, 0) if prev_cap else 0 for q in ("a", "b")}
+        if widths_are_caps:
+            w_cap = 0 if i % 8 == 3 else K
+            widths = {"a": w_cap, "b": w_cap}
         if i == 0:
             counts = {"a": len(pa), "b": len(pb)}
             news = [new("a", pa, k=K), new("b", pb, k=K)]
@@ -260,6 +272,7 @@ def run_tuner_pattern(r: ModelRunner, hold: bool, steps: int = 18) -> Overlapped
             num_draft_tokens=w,
             draft_token_ids=np.full(int(w.sum()), -1, np.int32),
             max_draft_proposals=cap,
+            draft_widths_are_caps=widths_are_caps,
         )
         if hold:
             drv.step(s)
@@ -270,12 +283,17 @@ def run_tuner_pattern(r: ModelRunner, hold: bool, steps: int = 18) -> Overlapped
     return drv
 
 
+@pytest.mark.parametrize("widths_are_caps", [False, True], ids=["widths", "caps"])
 @pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle"])
-def test_a_drafter_turned_down_to_zero_leaves_its_steps_open(kind: str) -> None:
-    check_drafter_turned_down(kind, "cpu")
+def test_a_drafter_turned_down_to_zero_leaves_its_steps_open(
+    kind: str, widths_are_caps: bool
+) -> None:
+    check_drafter_turned_down(kind, "cpu", widths_are_caps)
 
 
-def check_drafter_turned_down(kind: str, device: str, cuda_graphs: bool = True) -> None:
+def check_drafter_turned_down(
+    kind: str, device: str, widths_are_caps: bool, cuda_graphs: bool = True
+) -> None:
     """The steps a tuner leaves at zero width are held as with no drafter, and the output, each
     DraftTokenIds and every proposal are those of the same steps closed: the drafter caught up
     from tokens read back late (the EAGLE head from hidden states fed by the held steps), and
@@ -285,12 +303,16 @@ def check_drafter_turned_down(kind: str, device: str, cuda_graphs: bool = True) 
     for hold in (True, False):
         r, ref = drafting_runner(kind, 21, device, cuda_graphs)
         proposals = drafts_of(r.drafter)
-        drv = run_tuner_pattern(r, hold)
-        runs[hold] = (drv.out, drv.drafts, proposals, drv.pipelined)
+        drv = run_tuner_pattern(r, hold, widths_are_caps)
+        runs[hold] = (drv.out, drv.drafts, proposals, drv.pipelined, drv.verified)
         if isinstance(r.drafter, EagleDrafter):
             features.append(r.drafter.features.clone())
-    (out, drafts, proposals, pipelined), (c_out, c_drafts, c_proposals, _) = runs[True], runs[False]
+    (out, drafts, proposals, pipelined, verified) = runs[True]
+    (c_out, c_drafts, c_proposals, _, c_verified) = runs[False]
     assert pipelined >= 8, pipelined
+    # the drafts each step verified: a step launched behind an open one that proposed nothing
+    # runs none, as it would behind a closed one
+    assert verified == c_verified and any(any(v) for v in verified)
     # a random head's drafts hardly depend on the features: compare what it was fed
     assert not features or torch.equal(features[0], features[1])
     assert out == c_out and drafts == c_drafts and proposals == c_proposals

@@ -265,6 +265,10 @@ class ModelRunner:
             step.committed.append(n + room)
             num_sampled[i] = 1
         self._trim(batch)
+        # What finish's empty proposal would leave, now: the next step may be launched first,
+        # and with overlap scheduling its widths are caps that run the drafts held (drafts
+        # proposed before this step, for the position it has just filled, must not run).
+        st.num_drafts[[batch.slots[i] for i in batch.sample_idx]] = 0
         step.num_sampled = num_sampled
         step.num_accepted = np.zeros(len(batch.sample_idx), np.int64)
         if self.drafter.needs_hidden_states:
@@ -485,6 +489,7 @@ class ModelRunner:
             # only an open step sees its requests leave, and a step is held only when it
             # proposes nothing (may_hold): there are no drafts to keep, and a slot taken since is
             # not touched
+            # (``_hold`` cleared the drafts of every request still in its slot)
             none = np.zeros(len(slots), np.int64)
             zeros = torch.zeros((len(slots), 1), dtype=torch.long, device=self.device)
             self.draft_tokens.set_draft_tokens(req_ids, zeros, none, lengths, none.astype(bool))

@@ -134,7 +134,6 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len,
             max_num_tokens=k,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
         )
     executor = executor_for(target.model, target_blocks)
     if executor.decode.use_graphs:

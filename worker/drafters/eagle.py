@@ -40,10 +40,11 @@ class EagleDrafter(Drafter):
         max_num_seqs: int,
         max_model_len: int,
         max_num_tokens: int,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
     ) -> None:
         """``max_num_tokens``: the most drafts a request proposes; ``max_num_batched_tokens``:
-        the most pairs one catch-up forward of the head runs (the worker's token budget)."""
+        the most pairs one catch-up forward of the head runs (None: the target's token budget,
+        its executor's ``max_num_tokens``)."""
         cfg = head.config
         param = next(head.parameters())
         self.head = head
@@ -73,7 +74,10 @@ class EagleDrafter(Drafter):
         target's KV cache, so its memory follows the target's KV capacity (``--kv-cache-memory``)
         rather than max_num_seqs x max_model_len (an 8B target at 32k context and 64 sequences:
         17 GB). The head's own KV cache gets the target's block count plus the drafts' reach."""
+        assert self._features is None, "an EagleDrafter serves one runner: bind it once"
         tc = target.kv_cache
+        if self.max_num_batched_tokens is None:
+            self.max_num_batched_tokens = target.max_num_tokens
         if (tc.max_num_seqs, tc.max_model_len) != (self.max_num_seqs, self.max_model_len):
             raise ValueError(
                 f"the EAGLE drafter was built for {self.max_num_seqs} sequences of "
@@ -130,7 +134,7 @@ class EagleDrafter(Drafter):
         max_num_seqs: int,
         max_model_len: int,
         max_num_tokens: int,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
     ) -> EagleDrafter:
         """The head in ``head_dir`` (or ``"embedded"``), on the target's device and dtype."""
         param = next(target.parameters())
@@ -241,7 +245,7 @@ class EagleDrafter(Drafter):
 
         # [A, H]: the predicted hidden after each request's last committed pair
         hidden = forward_in_chunks(
-            run, starts, counts, np.cumsum(counts) - 1, self.max_num_batched_tokens
+            run, starts, counts, np.cumsum(counts) - 1, self.max_num_batched_tokens or 0
         )
         rows = to_device(active, device)
         positions = [int(states.num_tokens[s]) - 1 for s in run_slots]
