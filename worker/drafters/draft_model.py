@@ -14,7 +14,7 @@ import torch
 
 from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.drafters.catch_up import forward_in_chunks
-from worker.host_copy import to_device
+from worker.host_copy import HostCopy, to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
 
@@ -36,11 +36,26 @@ class DraftModelDrafter(Drafter):
         self.fed_len = np.zeros(n, np.int64)  # slot -> committed length when drafts were fed
         self.fed = np.zeros((n, max(max_num_tokens, 1)), np.int64)  # drafts fed into the cache
         self.num_fed = np.zeros(n, np.int64)
+        # the last proposal's drafts on their way to the host, and (slot, row, width) of each
+        # request that fed some: written into ``fed`` when the next proposal starts
+        self._pending: tuple[HostCopy, list[tuple[int, int, int]]] | None = None
 
     def remove(self, slot: int) -> None:
         self.num_computed[slot] = 0
         self.executor.kv_cache.free(slot)
         self.num_fed[slot] = 0
+
+    def _settle_fed(self) -> None:
+        """The fed drafts of the last proposal into ``fed``: their copy to the host was queued
+        behind the draft's forwards, and by the next proposal the target's step has waited for
+        those. (A slot freed since keeps num_fed 0, so what lands there is never read.)"""
+        if self._pending is None:
+            return
+        copy, rows = self._pending
+        self._pending = None
+        fed = copy.read()
+        for slot, i, w in rows:
+            self.fed[slot, : w - 1] = fed[i, : w - 1]
 
     def _roll_back(self, states: RequestStates, slot: int) -> None:
         """Keep only the fed drafts that the target accepted."""
@@ -69,6 +84,7 @@ class DraftModelDrafter(Drafter):
             return Proposal(out, [0] * len(slots), probs)
 
         # Catch up: every committed token the draft cache lacks, for all active requests at once.
+        self._settle_fed()
         ids: list[np.ndarray] = []
         starts, counts = [], []
         for i in active:
@@ -128,18 +144,18 @@ class DraftModelDrafter(Drafter):
             for s in step_slots:
                 self.num_computed[s] += 1
             logits, _ = ex.forward(
-                tokens[still],
+                # a list index would be copied to the device from pageable memory: a sync
+                tokens if len(still) == len(tokens) else tokens[to_device(still, device)],
                 to_device(starts, device),
                 step_slots,
                 starts,
                 [1] * len(step_slots),
                 torch.arange(len(step_slots), device=device),
             )
-        # What was fed back (drafts 0 .. w-2), read once per proposal for the next roll-back.
-        fed = out.cpu().numpy()
+        # What was fed back (drafts 0 .. w-2), for the next proposal's roll-back; not read here:
+        # a read now would make the host wait for the draft's k forwards.
+        self._pending = (HostCopy(out), [(slots[i], i, w) for i, w in enumerate(widths) if w > 1])
         for i, w in enumerate(widths):
-            if w > 1:
-                self.fed[slots[i], : w - 1] = fed[i, : w - 1]
             self.num_fed[slots[i]] = max(w - 1, 0)
         return Proposal(out, list(widths), probs)
 
