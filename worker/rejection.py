@@ -57,10 +57,13 @@ def pad_rows(x: torch.Tensor, cu_rows: list[int], width: int, fill: float) -> to
     """Flat rows [R, ...] -> [B, width, ...], padded with ``fill``."""
     b = len(cu_rows) - 1
     out = x.new_full((b, width, *x.shape[1:]), fill)
-    lens = [cu_rows[i + 1] - cu_rows[i] for i in range(b)]
-    req = torch.repeat_interleave(torch.arange(b, device=x.device), to_device(lens, x.device))
-    col = torch.arange(x.shape[0], device=x.device) - to_device(cu_rows[:-1], x.device)[req]
-    out[req, col] = x
+    # flat row -> (request, column), on the host: repeat_interleave on the device would read
+    # its output size back (a sync)
+    lens = np.diff(np.asarray(cu_rows, np.int64))
+    req = np.repeat(np.arange(b), lens)
+    col = np.arange(int(cu_rows[-1])) - np.repeat(np.asarray(cu_rows[:-1], np.int64), lens)
+    index = to_device(np.stack([req, col]), x.device)  # [2, R]
+    out[index[0], index[1]] = x
     return out
 
 
