@@ -16,6 +16,9 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from worker.host_copy import to_device
+from worker.model_executor import ModelExecutor
+
 # run(tokens, idx, starts, counts, rows): one forward over the flat tokens ``tokens`` of the
 # requests ``idx`` (request j of the chunk: counts[j] tokens from position starts[j]); returns its
 # outputs [len(rows), ...] at ``rows``, flat rows of the chunk.
@@ -56,3 +59,25 @@ def forward_in_chunks(
         wanted = rows[(rows >= lo) & (rows < hi)] - lo
         outs.append(run(slice(lo, hi), idx, chunk_starts, chunk_counts, wanted))
     return torch.cat(outs)
+
+
+def executor_forward(
+    ex: ModelExecutor, input_ids: torch.Tensor, positions: torch.Tensor, slots: list[int]
+) -> ChunkForward:
+    """The ``ChunkForward`` of a draft model's executor over a flat batch: ``input_ids`` and
+    ``positions`` [T] of the requests in ``slots``; returns the logits at the rows."""
+
+    def run(
+        tokens: slice, idx: list[int], starts: list[int], counts: list[int], rows: np.ndarray
+    ) -> torch.Tensor:
+        logits, _ = ex.forward(
+            input_ids[tokens],
+            positions[tokens],
+            [slots[j] for j in idx],
+            starts,
+            counts,
+            to_device(rows, ex.device),
+        )
+        return logits
+
+    return run

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from worker.drafters.base import Drafter, Proposal, choose_tokens
-from worker.drafters.catch_up import forward_in_chunks
+from worker.drafters.catch_up import executor_forward, forward_in_chunks
 from worker.host_copy import HostCopy, to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
@@ -110,26 +110,14 @@ class DraftModelDrafter(Drafter):
             device,
         )
 
-        def run(
-            tokens: slice,
-            idx: list[int],
-            c_starts: list[int],
-            c_counts: list[int],
-            rows: np.ndarray,
-        ) -> torch.Tensor:
-            chunk_slots = [step_slots[j] for j in idx]
-            logits, _ = ex.forward(
-                input_ids[tokens],
-                positions[tokens],
-                chunk_slots,
-                c_starts,
-                c_counts,
-                to_device(rows, device),
-            )
-            return logits
-
         # [len(active), draft vocab]: each request's last committed token
-        logits = forward_in_chunks(run, starts, counts, np.cumsum(counts) - 1, ex.max_num_tokens)
+        logits = forward_in_chunks(
+            executor_forward(ex, input_ids, positions, step_slots),
+            starts,
+            counts,
+            np.cumsum(counts) - 1,
+            ex.max_num_tokens,
+        )
         for slot in step_slots:
             self.num_computed[slot] = int(states.num_tokens[slot])
 

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from worker.drafters.base import Drafter, Proposal, choose_tokens
-from worker.drafters.catch_up import forward_in_chunks
+from worker.drafters.catch_up import executor_forward, forward_in_chunks
 from worker.host_copy import to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
@@ -97,27 +97,14 @@ class ParallelDrafter(Drafter):
             device,
         )
         step_slots = [slots[i] for i in active]
-
-        def run(
-            tokens: slice,
-            idx: list[int],
-            c_starts: list[int],
-            c_counts: list[int],
-            rows: np.ndarray,
-        ) -> torch.Tensor:
-            chunk_slots = [step_slots[j] for j in idx]
-            logits, _ = ex.forward(
-                input_ids[tokens],
-                positions[tokens],
-                chunk_slots,
-                c_starts,
-                c_counts,
-                to_device(rows, device),
-            )
-            return logits
-
         # [sum of k over active, vocab]; one forward unless the catch-up is past the token budget
-        logits = forward_in_chunks(run, starts, counts, np.asarray(rows), ex.max_num_tokens)
+        logits = forward_in_chunks(
+            executor_forward(ex, input_ids, positions, step_slots),
+            starts,
+            counts,
+            np.asarray(rows),
+            ex.max_num_tokens,
+        )
         self.num_proposals += 1
         # row r of logits belongs to the request that owns it: one choice for the whole batch
         owners = [i for i in active for _ in range(widths[i])]
