@@ -224,7 +224,7 @@ class ModelRunner:
         """A step may be left open when it samples, verifies no drafts and proposes none after
         it: a drafter proposes from the committed tokens, which an open step has not read back
         yet. Nothing is proposed without a drafter, when the scheduler caps the proposals at zero
-        (its tuner turned drafting down: then a drafter costs what no drafter does), or when no
+        (its tuner turned drafting down: the step then takes no drafter's path), or when no
         request that samples has a speculation length."""
         if not batch.sample_idx or any(batch.num_drafts):
             return False

@@ -3,8 +3,8 @@
 Per request the draft cache holds a valid prefix of the committed sequence. Each ``propose`` first
 catches up (ragged forwards of at most the worker's token budget over every committed token the
 draft has not seen, and always the last one, whose logits give the first draft), then runs k - 1
-single-token steps. Drafts the target rejected are rolled back
-by comparing the remembered drafts with the newly committed tokens: no coupling to the sampler.
+single-token steps. Drafts the target rejected are rolled back by comparing the remembered drafts
+with the newly committed tokens: no coupling to the sampler.
 """
 
 from __future__ import annotations
