@@ -27,53 +27,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import torch
 
 from protocol.messages import SamplingParams
+from tests.drafting import KINDS, K, drafting_runner
 from tests.driver import Req, run
-from tests.models import VOCAB, near_copy, tiny_model
-from worker.attention import ATTN_IMPLEMENTATION
-from worker.drafters.base import Drafter, NoDrafter
-from worker.drafters.draft_model import DraftModelDrafter
-from worker.drafters.eagle import EagleDrafter
-from worker.drafters.ngram import NgramDrafter
-from worker.drafters.parallel import ParallelDrafter
-from worker.eagle_head import EagleHead, head_config
-from worker.model_executor import ModelExecutor
-from worker.runner import ModelRunner
 
-K = 4
-MAX_LEN = 256
-MASK = 61  # the parallel drafter's mask token, inside the tiny vocabulary
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def make_runner(kind: str, device: torch.device) -> ModelRunner:
-    target = tiny_model("llama", 31)
-    draft = near_copy(target, 32)  # noise drawn on the CPU
-    target = target.to(device)
-
-    def executor(model: torch.nn.Module) -> ModelExecutor:
-        return ModelExecutor(model, max_num_seqs=8, max_model_len=MAX_LEN, decode_width=1 + K)
-
-    drafter: Drafter = NoDrafter()
-    if kind == "ngram":
-        drafter = NgramDrafter(min_n=1, max_n=3, max_num_tokens=K)
-    elif kind == "draft_model":
-        drafter = DraftModelDrafter(executor(draft.to(device)), max_num_tokens=K)
-    elif kind == "parallel":
-        draft.config.mask_token_id = MASK
-        drafter = ParallelDrafter(executor(draft.to(device)), max_num_tokens=K)
-    elif kind == "eagle":
-        torch.manual_seed(33)
-        head = EagleHead(head_config(target.config), ATTN_IMPLEMENTATION).eval().to(device)
-        drafter = EagleDrafter(
-            head, target, vocab_size=VOCAB, max_num_seqs=8, max_model_len=MAX_LEN, max_num_tokens=K
-        )
-    return ModelRunner(
-        executor(target),
-        drafter,
-        max_num_seqs=8,
-        max_model_len=MAX_LEN,
-        max_num_draft_tokens=K,
-    )
 
 
 def requests(k: int) -> list[Req]:
@@ -96,7 +53,7 @@ def where(stack: list[traceback.FrameSummary]) -> str:
 
 
 def audit(kind: str, device: torch.device, steps: int) -> tuple[int, collections.Counter[str]]:
-    runner = make_runner(kind, device)
+    runner, _ = drafting_runner(kind, 31, device=device.type, max_num_seqs=8, max_model_len=256)
     k = 0 if kind == "none" else K
     run(runner, requests(k), max_steps=steps)  # warm-up: graph captures, first-use allocations
     found: collections.Counter[str] = collections.Counter()
@@ -126,8 +83,8 @@ def main() -> None:
     ap.add_argument(
         "--drafters",
         nargs="+",
-        default=["none", "ngram", "draft_model", "eagle", "parallel"],
-        choices=("none", "ngram", "draft_model", "eagle", "parallel"),
+        default=list(KINDS),
+        choices=KINDS,
     )
     ap.add_argument("--steps", type=int, default=60, help="the most steps a run may take")
     a = ap.parse_args()

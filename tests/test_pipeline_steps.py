@@ -21,22 +21,17 @@ import torch
 
 from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
 from scheduler_client import Engine
-from tests.models import VOCAB, greedy_reference, near_copy, reference_copy, tiny_model
+from tests.drafting import K, drafting_runner
+from tests.models import greedy_reference, reference_copy, tiny_model
 from tests.test_catch_up import drafts_of
 from tests.test_overlap import check_greedy, check_structured_greedy
 from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
-from worker.attention import ATTN_IMPLEMENTATION
-from worker.drafters.base import Drafter, NoDrafter
-from worker.drafters.draft_model import DraftModelDrafter
+from worker.drafters.base import NoDrafter
 from worker.drafters.eagle import EagleDrafter
-from worker.drafters.ngram import NgramDrafter
-from worker.eagle_head import EagleHead, head_config
 from worker.model_executor import ModelExecutor
 from worker.runner import LaunchedStep, ModelRunner
 
 MAX_LEN = 64
-LONG = 128  # the drafting runners' model length
-K = 4
 
 
 def runner(seed: int = 11, max_num_seqs: int = 2) -> ModelRunner:
@@ -182,42 +177,6 @@ def test_open_steps_sampled_equal_closed_steps() -> None:
     assert len(open_["s"]) == 9 and len(open_["g"]) == 4
 
 
-def drafting_runner(
-    kind: str, seed: int, device: str = "cpu", cuda_graphs: bool = True
-) -> tuple[ModelRunner, torch.nn.Module]:
-    """A runner with a drafter of ``kind`` (K = 4) on a tiny target; the target's reference (on
-    the CPU)."""
-    target = tiny_model("llama", seed)
-    ref = reference_copy(target)
-    draft = near_copy(target, seed + 1).to(device)  # noise drawn on the CPU, as in every test
-    target = target.to(device)
-
-    def executor(model: torch.nn.Module) -> ModelExecutor:
-        return ModelExecutor(
-            model, max_num_seqs=2, max_model_len=LONG, decode_width=1 + K, cuda_graphs=cuda_graphs
-        )
-
-    drafter: Drafter
-    if kind == "ngram":
-        drafter = NgramDrafter(min_n=1, max_n=3, max_num_tokens=K)
-    elif kind == "draft_model":
-        drafter = DraftModelDrafter(executor(draft), max_num_tokens=K)
-    else:
-        torch.manual_seed(seed + 2)
-        head = EagleHead(head_config(target.config), ATTN_IMPLEMENTATION).eval().to(device)
-        drafter = EagleDrafter(
-            head, target, vocab_size=VOCAB, max_num_seqs=2, max_model_len=LONG, max_num_tokens=K
-        )
-    r = ModelRunner(
-        executor(target),
-        drafter,
-        max_num_seqs=2,
-        max_model_len=LONG,
-        max_num_draft_tokens=K,
-    )
-    return r, ref
-
-
 def test_a_step_is_left_open_only_when_it_proposes_nothing() -> None:
     """With a drafter, a step that proposes drafts after it (the drafter reads the committed
     tokens) is closed; one whose proposals the scheduler caps at zero, or whose samplers have no
@@ -301,7 +260,7 @@ def check_drafter_turned_down(
     runs = {}
     features = []  # the EAGLE head's store of the target's hidden states, after each run
     for hold in (True, False):
-        r, ref = drafting_runner(kind, 21, device, cuda_graphs)
+        r, ref = drafting_runner(kind, 21, device=device, cuda_graphs=cuda_graphs)
         proposals = drafts_of(r.drafter)
         drv = run_tuner_pattern(r, hold, widths_are_caps)
         runs[hold] = (drv.out, drv.drafts, proposals, drv.pipelined, drv.verified)

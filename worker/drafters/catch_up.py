@@ -38,7 +38,7 @@ def forward_in_chunks(
     (flat, ascending) are the rows whose outputs are wanted; returns them in that order."""
     total = sum(counts)
     if max_tokens <= 0 or total <= max_tokens:
-        return run(slice(0, total), list(range(len(counts))), list(starts), list(counts), rows)
+        return run(slice(0, total), list(range(len(counts))), starts, counts, rows)
     outs: list[torch.Tensor] = []
     i, done = 0, 0  # the request the next chunk starts in, and its tokens already run
     for lo in range(0, total, max_tokens):

@@ -157,8 +157,7 @@ class EagleDrafter(Drafter):
     def remove(self, slot: int) -> None:
         self.num_features[slot] = 0
         self.num_computed[slot] = 0
-        if self._kv_cache is not None:
-            self._kv_cache.free(slot)
+        self.kv_cache.free(slot)
 
     def observe(self, slots: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
         if not len(slots):
