@@ -229,15 +229,15 @@ def build_dense_metadata(
     )
 
 
-def _attend(
-    meta: PagedMetadata, layer: int, query: torch.Tensor, scaling: float | None
+def attend_flat(
+    meta: PagedMetadata, layer: int, q: torch.Tensor, scaling: float | None
 ) -> torch.Tensor:
-    """query [1, heads, T, D] -> [1, T, heads, D]; padding tokens come out zero."""
-    heads, d = query.shape[1], query.shape[3]
+    """q [T, heads, D] (any strides) -> [T, heads, D] over the cache's keys of ``layer`` (the new
+    ones written first); padding tokens come out zero."""
+    heads, d = q.shape[1], q.shape[2]
     if meta.kernel:
-        q = query[0].transpose(0, 1)  # [T, heads, D], a view
         alloc = torch.zeros if meta.unowned_rows else torch.empty
-        out = alloc(q.shape, dtype=query.dtype, device=query.device)
+        out = alloc(q.shape, dtype=q.dtype, device=q.device)
         assert meta.query_start is not None and meta.positions is not None
         cache = meta.kv_cache
         paged_attention(
@@ -251,19 +251,19 @@ def _attend(
             scaling,
             out,
         )
-        return out[None]
+        return out
     assert meta.query_index is not None and meta.out_index is not None
     b, q_rows = meta.query_index.shape
-    q = query[0][:, meta.query_index].transpose(0, 1)  # [B, heads, Q, D]
+    qp = q[meta.query_index].transpose(1, 2)  # [B, heads, Q, D]
     k, v = meta.kv_cache.gather(layer, meta.block_table)  # [B, kv_heads, L, D]
     if meta.fp32:
-        q, k, v = q.float(), k.float(), v.float()
+        qp, k, v = qp.float(), k.float(), v.float()
     o = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=meta.mask, scale=scaling, enable_gqa=True
+        qp, k, v, attn_mask=meta.mask, scale=scaling, enable_gqa=True
     )  # [B, heads, Q, D]
-    o = o.transpose(1, 2).reshape(b * q_rows, heads, d).to(query.dtype)
+    o = o.transpose(1, 2).reshape(b * q_rows, heads, d).to(q.dtype)
     o = torch.cat([o, o.new_zeros(1, heads, d)])  # [B * Q + 1, heads, D]: the last row is zeros
-    return o[meta.out_index][None]
+    return o[meta.out_index]
 
 
 def specd_attention(
@@ -282,7 +282,8 @@ def specd_attention(
     layer = module.layer_idx  # type: ignore[attr-defined]
     # NOTE: the new keys go into the cache before the gather reads them back.
     meta.kv_cache.write(layer, meta.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    return _attend(meta, layer, query, scaling), None
+    out = attend_flat(meta, layer, query[0].transpose(0, 1), scaling)  # [T, heads, D]
+    return out[None], None
 
 
 def _no_mask(*args: object, **kwargs: object) -> None:

@@ -33,6 +33,20 @@ def attention_backend() -> str:
     return backend
 
 
+FUSED_LAYERS_SETTINGS = ("auto", "off")
+
+
+def fused_layers_setting() -> str:
+    """``SPECD_FUSED_LAYERS``: ``auto`` when unset (fused_layers.py runs Llama-shaped decoders
+    with fused kernels), ``off`` (the model's own forward); anything else is a ValueError."""
+    setting = os.environ.get("SPECD_FUSED_LAYERS", "auto")
+    if setting not in FUSED_LAYERS_SETTINGS:
+        raise ValueError(
+            f"SPECD_FUSED_LAYERS must be one of {', '.join(FUSED_LAYERS_SETTINGS)}, not {setting!r}"
+        )
+    return setting
+
+
 def check_model_spec(spec: str) -> None:
     """Raise ``FileNotFoundError`` naming what is missing when ``spec`` (``embedded:smollm2``, a
     model directory or a .gguf file) cannot name a model here; file checks only."""
@@ -312,6 +326,7 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     )
     a = parse_with_config(ap, argv)
     attention_backend()  # its value is checked here; worker/paged_kernel.py acts on it
+    fused_layers_setting()  # checked here; worker/fused_layers.py acts on it
     return WorkerConfig(
         model=a.model,
         load_format=a.load_format,

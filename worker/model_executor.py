@@ -8,9 +8,15 @@ from contextlib import nullcontext
 import torch
 from transformers import PreTrainedModel
 
-from worker.attention import ATTN_IMPLEMENTATION, build_dense_metadata, build_metadata
+from worker.attention import (
+    ATTN_IMPLEMENTATION,
+    PagedMetadata,
+    build_dense_metadata,
+    build_metadata,
+)
 from worker.compiled import CompiledLayers
 from worker.decode_graphs import DecodeGraphs
+from worker.fused_layers import FusedDecoder
 from worker.kv_cache import DEFAULT_BLOCK_SIZE, KVCache
 from worker.paged_kernel import use_kernel
 from worker.ragged_graphs import RaggedGraphs
@@ -87,6 +93,8 @@ class ModelExecutor:
         cfg = model.config.get_text_config()
         # decode-shaped forwards run torch.compile'd layers (compiled.py); prefill runs them plain
         self.compiled = CompiledLayers.for_model(model) if compile_layers else None
+        # otherwise Llama-shaped decoders run specd's fused forward (fused_layers.py)
+        self.fused = FusedDecoder.for_model(model, compiled=compile_layers)
         self.model = model
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -214,6 +222,9 @@ class ModelExecutor:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object
     ) -> torch.Tensor:
         """The decoder over one flat sequence: [T] ids and positions -> [T, hidden]."""
+        if self.fused is not None:
+            assert isinstance(meta, PagedMetadata)
+            return self.fused.forward(input_ids, positions, meta)
         out = self.backbone(
             input_ids=input_ids[None],
             position_ids=positions[None],
