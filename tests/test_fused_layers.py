@@ -20,6 +20,10 @@ from transformers import (
 )
 
 import worker.attention  # noqa: F401  (registers the specd attention)
+from tests.drafting import KINDS, K, drafting_runner
+from tests.driver import Req
+from tests.driver import run as drive
+from tests.test_catch_up import drafts_of
 from worker import fused_kernels
 from worker.model_executor import ModelExecutor
 
@@ -46,9 +50,14 @@ def model(kind: str) -> torch.nn.Module:
 
 def run(ex: ModelExecutor, ids: torch.Tensor) -> torch.Tensor:
     """A 9-token prefill, then 3 tokens in one forward: all logits [12, vocab]."""
+    d = ids.device
     with torch.inference_mode():
-        a, _ = ex.forward(ids[:9], torch.arange(9), [0], [0], [9], torch.arange(9))
-        b, _ = ex.forward(ids[9:], torch.arange(9, 12), [0], [9], [3], torch.arange(3))
+        a, _ = ex.forward(
+            ids[:9], torch.arange(9, device=d), [0], [0], [9], torch.arange(9, device=d)
+        )
+        b, _ = ex.forward(
+            ids[9:], torch.arange(9, 12, device=d), [0], [9], [3], torch.arange(3, device=d)
+        )
     return torch.cat([a, b])
 
 
@@ -155,9 +164,39 @@ def test_silu_and_mul_kernel(dtype: torch.dtype) -> None:
 @pytest.mark.gpu
 @pytest.mark.triton
 def test_fused_forward_with_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The whole forward, the Triton kernels against the torch ones (float32)."""
-    off, on = executors("llama", monkeypatch)
-    assert on.fused is not None
+    """The whole forward with every Triton kernel (the paged attention's too, padded to 64
+    tokens so the attention output's padding rows are shared by the layers) against the model's
+    own forward (float32)."""
+    monkeypatch.setenv("SPECD_ATTENTION_BACKEND", "triton")
+    m = model("llama").to(device())
+    m_off = copy.deepcopy(m)
+    kw = dict(max_num_seqs=2, max_model_len=64, cuda_graphs=False, batch_invariant="pad")
+    monkeypatch.setenv("SPECD_FUSED_LAYERS", "off")
+    off = ModelExecutor(m_off, **kw)  # type: ignore[arg-type]
+    monkeypatch.setenv("SPECD_FUSED_LAYERS", "auto")
+    on = ModelExecutor(m, **kw)  # type: ignore[arg-type]
+    assert on.fused is not None and on.kernel
     on.fused.use_triton = True
-    ids = torch.randint(0, 500, (12,), generator=torch.Generator().manual_seed(2))
+    ids = torch.randint(0, 500, (12,), generator=torch.Generator().manual_seed(2)).to(device())
     torch.testing.assert_close(run(on, ids), run(off, ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_drafter_drafts_the_same_through_the_fused_forward(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outputs and every proposal's drafts, fused forward against the model's own (float32):
+    the target, the draft model, the parallel draft and the EAGLE head all run fused."""
+    seen = []
+    for setting in ("off", "auto"):
+        monkeypatch.setenv("SPECD_FUSED_LAYERS", setting)
+        r, _ = drafting_runner(kind, 17)
+        assert (r.target.fused is None) == (setting == "off")
+        proposals = drafts_of(r.drafter)
+        reqs = [
+            Req("a", [5, 6, 7, 5, 6, 7, 5, 6], 12, k=K),
+            Req("b", [9, 10, 11, 12, 9, 10], 10, k=K, arrive=2, chunk=4),
+        ]
+        seen.append((drive(r, reqs), proposals))
+    assert seen[0] == seen[1]
+    assert kind == "none" or seen[1][1]

@@ -230,14 +230,21 @@ def build_dense_metadata(
 
 
 def attend_flat(
-    meta: PagedMetadata, layer: int, q: torch.Tensor, scaling: float | None
+    meta: PagedMetadata,
+    layer: int,
+    q: torch.Tensor,
+    scaling: float | None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [T, heads, D] (any strides) -> [T, heads, D] over the cache's keys of ``layer`` (the new
-    ones written first); padding tokens come out zero."""
+    ones written first); padding tokens come out zero. ``out`` (the kernel's only): a buffer
+    whose padding rows are zeros already, reused across layers (the kernel writes only the rows
+    of requests)."""
     heads, d = q.shape[1], q.shape[2]
     if meta.kernel:
-        alloc = torch.zeros if meta.unowned_rows else torch.empty
-        out = alloc(q.shape, dtype=q.dtype, device=q.device)
+        if out is None:
+            alloc = torch.zeros if meta.unowned_rows else torch.empty
+            out = alloc(q.shape, dtype=q.dtype, device=q.device)
         assert meta.query_start is not None and meta.positions is not None
         cache = meta.kv_cache
         paged_attention(

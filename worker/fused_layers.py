@@ -61,7 +61,7 @@ def _unsupported(model: PreTrainedModel) -> str | None:
     backbone = model.get_decoder()
     if getattr(model, "specd_num_kv_heads", None) is not None:
         return "tensor-parallel ranks run the model's own layers"
-    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+    for name in ("layers", "norm", "rotary_emb"):  # embed_tokens: the EAGLE head has none
         if getattr(backbone, name, None) is None:
             return f"the decoder has no {name}"
     cfg = model.config.get_text_config()
@@ -103,7 +103,8 @@ class FusedDecoder:
 
     @staticmethod
     def for_model(model: PreTrainedModel, *, compiled: bool) -> FusedDecoder | None:
-        """The model's fused decoder, or None where it does not apply (logged once)."""
+        """The fused decoder of ``model`` (a causal LM, or a bare decoder as the EAGLE head's),
+        or None where it does not apply (logged)."""
         why = None
         if fused_layers_setting() == "off":
             why = "SPECD_FUSED_LAYERS=off"
@@ -129,14 +130,26 @@ class FusedDecoder:
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
     ) -> torch.Tensor:
         """[T] ids and positions -> final hidden states [T, hidden] (after the final norm)."""
+        return self.forward_embeds(self.backbone.embed_tokens(input_ids), positions, meta)
+
+    def forward_embeds(
+        self, h: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """[T, hidden] input embeddings and [T] positions -> final hidden states [T, hidden]."""
         b = self.backbone
         tri = self.use_triton
-        h = b.embed_tokens(input_ids)  # [T, hidden]
         cos, sin = b.rotary_emb(h[None], positions[None])  # [1, T, D] each
         cos, sin = cos[0], sin[0]
         residual: torch.Tensor | None = None
         cache = meta.kv_cache
         t = h.shape[0]
+        # one attention output for every layer: the kernel writes only requests' rows, so the
+        # padding rows are zeroed once, not once a layer
+        out = None
+        if meta.kernel:
+            alloc = torch.zeros if meta.unowned_rows else torch.empty
+            d = cache.keys[0].shape[-1]
+            out = alloc((t, self.num_heads, d), dtype=h.dtype, device=h.device)
         for i, layer in enumerate(b.layers):
             ln = layer.input_layernorm
             x, residual = fused_kernels.rms_norm(
@@ -156,7 +169,7 @@ class FusedDecoder:
                 self.num_kv_heads,
                 use_triton=tri,
             )  # [T, H, D]
-            o = attend_flat(meta, attn.layer_idx, q, attn.scaling)  # [T, H, D]
+            o = attend_flat(meta, attn.layer_idx, q, attn.scaling, out)  # [T, H, D]
             h = attn.o_proj(o.reshape(t, -1))
             ln = layer.post_attention_layernorm
             x, residual = fused_kernels.rms_norm(

@@ -20,6 +20,7 @@ from worker.block_table import BlockTable
 from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.drafters.catch_up import forward_in_chunks
 from worker.eagle_head import EagleHead
+from worker.fused_layers import FusedDecoder
 from worker.host_copy import to_device
 from worker.kv_cache import KVCache, draft_num_blocks
 from worker.model_executor import ModelExecutor
@@ -68,6 +69,8 @@ class EagleDrafter(Drafter):
         self.num_features = np.zeros(max_num_seqs, np.int64)  # slot -> positions with f_t
         self.num_computed = np.zeros(max_num_seqs, np.int64)  # slot -> pairs in the head's cache
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
+        # the head's one layer through the fused forward (fused_layers.py) where it applies
+        self.fused = FusedDecoder.for_model(head.layers, compiled=False)
 
     def bind(self, target: ModelExecutor) -> None:
         """The feature store pages through the target's block table: one row per row of the
@@ -182,6 +185,9 @@ class EagleDrafter(Drafter):
         )
         self.kv_cache.allocate(slots, [s + c for s, c in zip(starts, counts, strict=True)])
         meta = build_metadata(self.kv_cache, slots, starts, counts, self.device, kernel=self.kernel)
+        if self.fused is not None:
+            x = self.head.fc(torch.cat([embeds, feats], dim=-1))  # [T, H]
+            return self.fused.forward_embeds(x, positions, meta)[last_rows]
         out = self.head(
             embeds[None],
             feats[None],
