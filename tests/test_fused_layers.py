@@ -10,42 +10,25 @@ import copy
 
 import pytest
 import torch
-from transformers import (
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen2Config,
-    Qwen2ForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import Qwen3Config, Qwen3ForCausalLM
 
 import worker.attention  # noqa: F401  (registers the specd attention)
 from tests.drafting import KINDS, K, drafting_runner
 from tests.driver import Req
 from tests.driver import run as drive
+from tests.models import VOCAB, tiny_config, tiny_model
 from tests.test_catch_up import drafts_of
 from worker import fused_kernels
 from worker.model_executor import ModelExecutor
 
-SHAPE = dict(
-    vocab_size=500,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=256,
-    attn_implementation="specd",
-)
-
 
 def model(kind: str) -> torch.nn.Module:
+    """A tiny Llama, a tiny Qwen2 (q/k/v biases) or a tiny Qwen3 (q/k norms: not fused)."""
+    if kind != "qwen3":
+        return tiny_model(kind, 0)
     torch.manual_seed(0)
-    if kind == "llama":
-        return LlamaForCausalLM(LlamaConfig(**SHAPE)).eval()
-    if kind == "qwen2":  # q/k/v biases
-        return Qwen2ForCausalLM(Qwen2Config(**SHAPE)).eval()
-    return Qwen3ForCausalLM(Qwen3Config(**SHAPE, head_dim=16)).eval()  # q/k norms
+    cfg = Qwen3Config(**tiny_config("qwen2").to_dict() | {"head_dim": 16})
+    return Qwen3ForCausalLM._from_config(cfg, attn_implementation="specd").eval()
 
 
 def run(ex: ModelExecutor, ids: torch.Tensor) -> torch.Tensor:
@@ -75,7 +58,7 @@ def executors(kind: str, monkeypatch: pytest.MonkeyPatch) -> tuple[ModelExecutor
 def test_fused_forward_equals_the_models_own(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
     off, on = executors(kind, monkeypatch)
     assert off.fused is None and on.fused is not None and not on.fused.use_triton
-    ids = torch.randint(0, 500, (12,), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(run(on, ids), run(off, ids), rtol=0, atol=1e-5)
     # the model's own projections are views into the fused weights: its forward still works
     attn = on.model.get_decoder().layers[0].self_attn
@@ -177,7 +160,7 @@ def test_fused_forward_with_the_triton_kernels(monkeypatch: pytest.MonkeyPatch) 
     on = ModelExecutor(m, **kw)  # type: ignore[arg-type]
     assert on.fused is not None and on.kernel
     on.fused.use_triton = True
-    ids = torch.randint(0, 500, (12,), generator=torch.Generator().manual_seed(2)).to(device())
+    ids = torch.randint(0, VOCAB, (12,), generator=torch.Generator().manual_seed(2)).to(device())
     torch.testing.assert_close(run(on, ids), run(off, ids), rtol=1e-4, atol=1e-4)
 
 

@@ -83,7 +83,8 @@ class EagleHead(nn.Module):
         d = Path(directory)
         d.mkdir(parents=True, exist_ok=True)
         (d / CONFIG_FILE).write_text(json.dumps(self.config.to_dict(), indent=1))
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items()}
+        # clones: a fused head's q/k/v share one tensor (fused_layers.py), which safetensors refuses
+        state = {k: v.detach().clone() for k, v in self.state_dict().items()}
         save_file(state, str(d / WEIGHTS_FILE))
 
     @classmethod

@@ -202,6 +202,7 @@ def rope_and_cache(
         value_cache.index_copy_(0, slot_mapping, v)
         return rotate(q)
     assert triton is not None and qkv.stride(-1) == 1 and cos.stride() == sin.stride()
+    assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
     q_out = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
     _rope_and_cache[(t, num_heads + num_kv_heads)](
         qkv,

@@ -14,7 +14,9 @@ About a dozen launches a layer where transformers' eager forward makes some fort
 eight kernels, its rotary ten, its MLP five), which is what a decode step replayed from a CUDA graph
 pays for on a small model. The fused projections are one weight tensor each: the model's own
 ``q_proj``/``k_proj``/``v_proj`` and ``gate_proj``/``up_proj`` weights become views into it, so no
-memory is added and the model's own forward (compiled layers, the benchmarks' HF loops) still works.
+memory is added (the separate weights' cached blocks go back to the device) and the model's own
+forward (compiled layers, the benchmarks' HF loops) still works. Only plain ``nn.Linear``
+projections in the activations' dtype are fused (not FP8 or other quantized layers).
 
 It applies to decoder layers shaped as Llama's (Llama, SmolLM, Qwen2, Mistral: pre-norm RMSNorm,
 q/k/v/o projections with optional bias, no q/k norms, SiLU-gated MLP, rotary in the
@@ -65,16 +67,20 @@ def _unsupported(model: PreTrainedModel) -> str | None:
         if getattr(backbone, name, None) is None:
             return f"the decoder has no {name}"
     cfg = model.config.get_text_config()
+    dtype = backbone.norm.weight.dtype
     if getattr(cfg, "hidden_act", "silu") != "silu" or getattr(cfg, "mlp_bias", False):
         return "its MLP is not SiLU-gated without bias"
     for layer in backbone.layers:
         if type(layer).__name__ not in LAYER_CLASSES:
             return f"{type(layer).__name__} is not a Llama-shaped layer"
-        attn = layer.self_attn
-        if hasattr(attn, "q_norm") or not all(
-            isinstance(getattr(attn, p, None), nn.Linear) for p in ("q_proj", "k_proj", "v_proj")
-        ):
-            return "its attention has query/key norms or unfused projections"
+        attn, mlp = layer.self_attn, layer.mlp
+        if hasattr(attn, "q_norm"):
+            return "its attention has query/key norms"
+        # exactly nn.Linear in the activations' dtype: a quantized subclass (FP8Linear and the
+        # like) keeps scales beside its weight that a concatenated weight would drop
+        for linear in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.gate_proj, mlp.up_proj):
+            if type(linear) is not nn.Linear or linear.weight.dtype != dtype:
+                return f"its projections are {type(linear).__name__} of {linear.weight.dtype}"
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if type(norm).__name__ not in NORM_CLASSES:
                 return f"{type(norm).__name__} is not transformers' plain RMSNorm"
@@ -100,6 +106,11 @@ class FusedDecoder:
             attn, mlp = layer.self_attn, layer.mlp
             self.qkv.append(_fuse([attn.q_proj, attn.k_proj, attn.v_proj]))
             self.gate_up.append(_fuse([mlp.gate_proj, mlp.up_proj])[0])
+        device = backbone.norm.weight.device
+        if device.type == "cuda":
+            # the separate weights' blocks are free now but cached, too small for the fused
+            # ones; hand them back before the KV cache is sized and the graphs are captured
+            torch.cuda.empty_cache()
 
     @staticmethod
     def for_model(model: PreTrainedModel, *, compiled: bool) -> FusedDecoder | None:
