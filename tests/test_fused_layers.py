@@ -207,3 +207,32 @@ def test_the_kernels_compile_for_a_hopper_gpu() -> None:
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.count("compiled for sm_90") == 10
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+def test_the_kernels_take_no_rows() -> None:
+    """An empty forward launches nothing and returns empty tensors."""
+    x = torch.zeros((0, 64), device=device())
+    out, res = fused_kernels.rms_norm(x, torch.ones(64, device=device()), 1e-6, x, use_triton=True)
+    assert out.shape == res.shape == (0, 64)
+    cache = torch.zeros((4, 2, 16), device=device())
+    slots = torch.zeros(0, dtype=torch.long, device=device())
+    q = fused_kernels.rope_and_cache(
+        torch.zeros((0, 128), device=device()),
+        torch.zeros((0, 16), device=device()),
+        torch.zeros((0, 16), device=device()),
+        slots,
+        cache,
+        torch.zeros_like(cache),
+        4,
+        2,
+        use_triton=True,
+    )
+    assert q.shape == (0, 4, 16)
+    assert fused_kernels.silu_and_mul(
+        torch.zeros((0, 64), device=device()), use_triton=True
+    ).shape == (
+        0,
+        32,
+    )

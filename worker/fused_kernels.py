@@ -153,6 +153,8 @@ def rms_norm(
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else x
     res = residual if residual is not None else x
+    if not t:  # no rows: no launch (a grid of 0 programs)
+        return out, res_out
     _add_rms_norm[(t,)](
         x,
         res,
@@ -204,6 +206,8 @@ def rope_and_cache(
     assert triton is not None and qkv.stride(-1) == 1 and cos.stride() == sin.stride()
     assert key_cache.stride() == value_cache.stride() and key_cache.stride(-1) == 1
     q_out = torch.empty((t, num_heads, d), dtype=qkv.dtype, device=qkv.device)
+    if not t:
+        return q_out
     _rope_and_cache[(t, num_heads + num_kv_heads)](
         qkv,
         cos,
@@ -233,6 +237,8 @@ def silu_and_mul(gate_up: torch.Tensor, *, use_triton: bool) -> torch.Tensor:
     assert triton is not None and gate_up.stride(-1) == 1
     t = gate_up.shape[0]
     out = torch.empty((t, n), dtype=gate_up.dtype, device=gate_up.device)
+    if not t:
+        return out
     _silu_and_mul[(t, triton.cdiv(n, SILU_BLOCK))](
         gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=SILU_BLOCK
     )
