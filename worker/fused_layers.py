@@ -156,11 +156,11 @@ class FusedDecoder:
         t = h.shape[0]
         # one attention output for every layer: the kernel writes only requests' rows, so the
         # padding rows are zeroed once, not once a layer
-        out = None
+        attn_out = None  # [T, H, D]
         if meta.kernel:
             alloc = torch.zeros if meta.unowned_rows else torch.empty
             d = cache.keys[0].shape[-1]
-            out = alloc((t, self.num_heads, d), dtype=h.dtype, device=h.device)
+            attn_out = alloc((t, self.num_heads, d), dtype=h.dtype, device=h.device)
         for i, layer in enumerate(b.layers):
             ln = layer.input_layernorm
             x, residual = fused_kernels.rms_norm(
@@ -180,7 +180,7 @@ class FusedDecoder:
                 self.num_kv_heads,
                 use_triton=tri,
             )  # [T, H, D]
-            o = attend_flat(meta, attn.layer_idx, q, attn.scaling, out)  # [T, H, D]
+            o = attend_flat(meta, attn.layer_idx, q, attn.scaling, attn_out)  # [T, H, D]
             h = attn.o_proj(o.reshape(t, -1))
             ln = layer.post_attention_layernorm
             x, residual = fused_kernels.rms_norm(
@@ -188,7 +188,7 @@ class FusedDecoder:
             )
             gate_up = torch.nn.functional.linear(x, self.gate_up[i])  # [T, 2 I]
             h = layer.mlp.down_proj(fused_kernels.silu_and_mul(gate_up, use_triton=tri))
-        out, _ = fused_kernels.rms_norm(
+        final, _ = fused_kernels.rms_norm(
             h, b.norm.weight, b.norm.variance_epsilon, residual, use_triton=tri
         )
-        return out
+        return final
