@@ -229,6 +229,15 @@ def build_dense_metadata(
     )
 
 
+def attention_output(
+    meta: PagedMetadata, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """The paged kernel's output buffer [T, heads, D]: zeros where some rows belong to no
+    request (the kernel never writes them), else uninitialised."""
+    alloc = torch.zeros if meta.unowned_rows else torch.empty
+    return alloc(shape, dtype=dtype, device=device)
+
+
 def attend_flat(
     meta: PagedMetadata,
     layer: int,
@@ -243,8 +252,7 @@ def attend_flat(
     heads, d = q.shape[1], q.shape[2]
     if meta.kernel:
         if out is None:
-            alloc = torch.zeros if meta.unowned_rows else torch.empty
-            out = alloc(q.shape, dtype=q.dtype, device=q.device)
+            out = attention_output(meta, tuple(q.shape), q.dtype, q.device)
         assert meta.query_start is not None and meta.positions is not None
         cache = meta.kv_cache
         paged_attention(

@@ -31,11 +31,6 @@ except ImportError:  # pragma: no cover - CPU machines without triton run the to
 SILU_BLOCK = 1024
 
 
-def available(head_dim: int) -> bool:
-    """triton is installed and the head dim is a power of two (the rotary kernel's tile)."""
-    return triton is not None and head_dim >= 16 and not head_dim & (head_dim - 1)
-
-
 if triton is not None:
 
     @triton.jit

@@ -32,8 +32,8 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from worker import fused_kernels
-from worker.attention import PagedMetadata, attend_flat
+from worker import fused_kernels, paged_kernel
+from worker.attention import PagedMetadata, attend_flat, attention_output
 from worker.config import fused_layers_setting
 
 log = logging.getLogger("specd.worker")
@@ -131,7 +131,8 @@ class FusedDecoder:
         device = next(model.parameters()).device
         cfg = model.config.get_text_config()
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        use_triton = device.type == "cuda" and fused_kernels.available(int(head_dim))
+        # the rotary kernel's tile is the head dim, as the paged kernel's is
+        use_triton = device.type == "cuda" and paged_kernel.available(int(head_dim))
         found = FusedDecoder(model, use_triton)
         model._specd_fused_decoder = found  # type: ignore[assignment]
         log.info("fused layers on (%s kernels)", "triton" if use_triton else "torch")
@@ -158,9 +159,8 @@ class FusedDecoder:
         # padding rows are zeroed once, not once a layer
         attn_out = None  # [T, H, D]
         if meta.kernel:
-            alloc = torch.zeros if meta.unowned_rows else torch.empty
-            d = cache.keys[0].shape[-1]
-            attn_out = alloc((t, self.num_heads, d), dtype=h.dtype, device=h.device)
+            shape = (t, self.num_heads, cache.keys[0].shape[-1])
+            attn_out = attention_output(meta, shape, h.dtype, h.device)
         for i, layer in enumerate(b.layers):
             ln = layer.input_layernorm
             x, residual = fused_kernels.rms_norm(
