@@ -410,50 +410,61 @@ class ModelRunner:
         st = self.states
         num_sampled = [0] * len(batch.req_ids)
         self._advance(batch)
-        for j, i in enumerate(batch.sample_idx):
-            slot = batch.slots[i]
-            a = int(num_accepted[j])
-            st.append(slot, tokens[j, : a + 1].tolist())
-            st.num_computed[slot] += a
-            num_sampled[i] = a + 1
+        if batch.sample_idx:
+            # every sampling request's tokens appended at once (as ``RequestStates.append``:
+            # past max_model_len they are not kept)
+            slots = np.asarray(batch.slots, np.int64)[batch.sample_idx]
+            accepted = np.asarray(num_accepted, np.int64)
+            length = st.num_tokens[slots]
+            take = np.minimum(accepted + 1, st.max_model_len - length)
+            offsets = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+            rows = np.repeat(np.arange(len(slots)), take)
+            st.token_ids[np.repeat(slots, take), np.repeat(length, take) + offsets] = tokens[
+                rows, offsets
+            ]
+            st.num_tokens[slots] = length + take
+            st.num_computed[slots] += accepted
+            sampled = np.zeros(len(batch.req_ids), np.int64)
+            sampled[batch.sample_idx] = accepted + 1
+            num_sampled = sampled.tolist()
         self._trim(batch)
         return num_sampled
 
     def _advance(self, batch: StepBatch) -> None:
-        """Each request's computed length past the tokens it ran, less its drafts."""
-        st = self.states
-        for i, slot in enumerate(batch.slots):
-            st.num_computed[slot] += batch.num_scheduled[i] - batch.num_drafts[i]
+        """Each request's computed length past the tokens it ran, less its drafts (a slot is
+        scheduled at most once a step)."""
+        self.states.num_computed[batch.slots] += np.subtract(batch.num_scheduled, batch.num_drafts)
 
     def _trim(self, batch: StepBatch) -> None:
         """Blocks wholly past the computed length (rejected drafts) go back: between steps a
         request holds ceil(num_computed / block_size) blocks, as the scheduler counts them."""
-        for slot in batch.slots:
-            self.target.kv_cache.trim(slot, int(self.states.num_computed[slot]))
+        blocks = self.target.kv_cache.blocks
+        slots = np.asarray(batch.slots, np.int64)
+        computed = self.states.num_computed[slots]
+        over = -(-computed // blocks.block_size) < blocks.num_held[slots]
+        for j in np.flatnonzero(over).tolist():
+            self.target.kv_cache.trim(int(slots[j]), int(computed[j]))
 
     def feed_hidden_states(
         self, batch: StepBatch, hidden: torch.Tensor, num_accepted: np.ndarray
     ) -> None:
         """The target's hidden states of the positions this step committed (prefill tokens, the
         last token and the accepted drafts; never a rejected draft's) go to the drafter."""
-        accepted = dict(zip(batch.sample_idx, num_accepted.tolist(), strict=True))
-        rows: list[int] = []
-        slots: list[int] = []
-        positions: list[int] = []
-        flat = 0
-        for i, slot in enumerate(batch.slots):
-            n, w, c = batch.num_scheduled[i], batch.num_drafts[i], batch.start_positions[i]
-            valid = n - w + accepted.get(i, 0)
-            rows.extend(range(flat, flat + valid))
-            slots.extend([slot] * valid)
-            positions.extend(range(c, c + valid))
-            flat += n
+        counts = np.asarray(batch.num_scheduled, np.int64)
+        valid = counts - np.asarray(batch.num_drafts, np.int64)
+        valid[batch.sample_idx] += num_accepted
+        total = int(valid.sum())
+        # the first ``valid`` rows of each request's stretch of the flat batch, in one go
+        offsets = np.arange(total) - np.repeat(np.cumsum(valid) - valid, valid)
+        rows_np = np.repeat(np.cumsum(counts) - counts, valid) + offsets
+        slots = np.repeat(np.asarray(batch.slots, np.int64), valid)
+        positions = np.repeat(np.asarray(batch.start_positions, np.int64), valid) + offsets
         states = get_drafter_hidden_states(self.target.model, hidden)  # [num_tokens, H]
-        self.drafter.observe(
-            np.asarray(slots, np.int64),
-            np.asarray(positions, np.int64),
-            states[to_device(rows, hidden.device)],
+        # every position the step ran is committed (no drafts, or all accepted): no gather
+        picked = (
+            states[:total] if total == len(states) else states[to_device(rows_np, hidden.device)]
         )
+        self.drafter.observe(slots, positions, picked)
 
     def propose_drafts(
         self,
