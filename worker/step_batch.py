@@ -58,6 +58,15 @@ def build_step_batch(
 ) -> StepBatch:
     """The step's flat layout, for a step that ``worker.step_checks.check_step`` passed.
     ``skip``: new requests the worker refused this step."""
+    if not sched.num_draft_tokens.any():
+        return _build_without_drafts(sched, st, skip, device)
+    return _build_any(sched, st, skip, device)
+
+
+def _build_any(
+    sched: SchedulerOutput, st: RequestStates, skip: set[str], device: torch.device
+) -> StepBatch:
+    """``build_step_batch`` for any step, a request at a time."""
     req_ids, slots, starts, counts, widths = [], [], [], [], []
     ids_np: list[np.ndarray] = []
     # flat position <- (slot, column) of the worker's own draft, for every -1 placeholder
@@ -149,4 +158,40 @@ def build_step_batch(
         cu_rows=cu_rows,
         draft_token_ids=drafts,
         own_drafts=own,
+    )
+
+
+def _build_without_drafts(
+    sched: SchedulerOutput, st: RequestStates, skip: set[str], device: torch.device
+) -> StepBatch:
+    """``build_step_batch`` for a step that verifies no drafts (no drafter, or its width turned
+    down to zero): the same layout, built over the batch as arrays."""
+    keep = [i for i, req_id in enumerate(sched.req_ids) if req_id not in skip]
+    req_ids = [sched.req_ids[i] for i in keep]
+    slots = [st.slot_of[req_id] for req_id in req_ids]
+    slots_np = np.asarray(slots, np.int64)
+    counts = sched.num_scheduled_tokens[keep].astype(np.int64)
+    starts = st.num_computed[slots_np]
+    ends = np.cumsum(counts)
+    total = int(ends[-1]) if len(ends) else 0
+    offsets = np.arange(total) - np.repeat(ends - counts, counts)
+    positions = np.repeat(starts, counts) + offsets
+    ids = st.token_ids[np.repeat(slots_np, counts), positions]
+    sample = np.flatnonzero(starts + counts == st.num_tokens[slots_np])
+    # ids, positions and the logit rows in one host-to-device copy
+    flat = to_device(np.concatenate([ids, positions, ends[sample] - 1]), device)
+    no_drafts = np.zeros(0, bool)
+    return StepBatch(
+        req_ids=req_ids,
+        slots=slots,
+        input_ids=flat[:total],
+        positions=flat[total : 2 * total],
+        start_positions=starts.tolist(),
+        num_scheduled=counts.tolist(),
+        num_drafts=[0] * len(req_ids),
+        sample_idx=sample.tolist(),
+        logits_indices=flat[2 * total :],
+        cu_rows=list(range(len(sample) + 1)),
+        draft_token_ids=torch.zeros((len(sample), 1), dtype=torch.long, device=device),
+        own_drafts=[no_drafts] * len(req_ids),
     )
