@@ -39,7 +39,7 @@ class LaunchedStep:
 
     A closed step has its tokens on the host and committed. An open one (``launch(hold=True)``)
     has them on the device (``device_tokens`` [S]) with their copy to the host queued behind the
-    kernels; ``owners`` [S] names where each goes: (slot, the slot's generation, position; -1
+    kernels; ``owners`` [S, 3] names where each goes: (slot, the slot's generation, position; -1
     where the request was already at its length limit)."""
 
     sched: SchedulerOutput
@@ -51,7 +51,7 @@ class LaunchedStep:
     committed: list[int] = field(default_factory=list)  # [S] (open) each sampler's length after it
     open: bool = False
     device_tokens: torch.Tensor | None = None
-    owners: list[tuple[int, int, int]] = field(default_factory=list)
+    owners: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     _copy: HostCopy | None = None
 
     def hold(self, sampled: torch.Tensor) -> None:
@@ -203,10 +203,11 @@ class ModelRunner:
             self._open.remove(step)
             step.tokens = step.read_tokens()
             st = self.states
-            live = [st.generation[slot] == g for slot, g, _ in step.owners]
-            for j, (slot, _, position) in enumerate(step.owners):
-                if live[j] and position >= 0:
-                    st.token_ids[slot, position] = step.tokens[j, 0]
+            slots, generations, positions = step.owners.T
+            alive = st.generation[slots] == generations
+            kept = alive & (positions >= 0)
+            st.token_ids[slots[kept], positions[kept]] = step.tokens[kept, 0]
+            live = alive.tolist()
         if not batch.req_ids:
             self.num_steps += 1
             return self.output(
@@ -245,22 +246,21 @@ class ModelRunner:
                 self._verify_input(step.sched, batch, logits, params)
             ).output_token_ids[:, 0]
         step.hold(sampled)
-        num_sampled = [0] * len(batch.req_ids)
+        num_sampled = np.zeros(len(batch.req_ids), np.int64)
+        num_sampled[batch.sample_idx] = 1
         self._advance(batch)
-        for i in batch.sample_idx:
-            slot = batch.slots[i]
-            n = int(st.num_tokens[slot])
-            room = n < st.max_model_len  # as ``RequestStates.append``: past the end, not kept
-            st.num_tokens[slot] = n + room
-            step.owners.append((slot, int(st.generation[slot]), n if room else -1))
-            step.committed.append(n + room)
-            num_sampled[i] = 1
+        slots = np.asarray(batch.slots, np.int64)[batch.sample_idx]
+        n = st.num_tokens[slots]
+        room = n < st.max_model_len  # as ``RequestStates.append``: past the end, not kept
+        st.num_tokens[slots] = n + room
+        step.owners = np.stack([slots, st.generation[slots], np.where(room, n, -1)], axis=1)
+        step.committed = (n + room).tolist()
         self._trim(batch)
         # What finish's empty proposal would leave, now: the next step may be launched first,
         # and with overlap scheduling its widths are caps that run the drafts held (drafts
         # proposed before this step, for the position it has just filled, must not run).
-        st.num_drafts[[batch.slots[i] for i in batch.sample_idx]] = 0
-        step.num_sampled = num_sampled
+        st.num_drafts[slots] = 0
+        step.num_sampled = num_sampled.tolist()
         step.num_accepted = np.zeros(len(batch.sample_idx), np.int64)
         if self.drafter.needs_hidden_states:
             self.feed_hidden_states(batch, hidden, step.num_accepted)
@@ -272,25 +272,31 @@ class ModelRunner:
         if not self._open:
             return
         st = self.states
-        where = {slot: i for i, slot in enumerate(batch.slots)}
-        flat_start = np.cumsum([0, *batch.num_scheduled[:-1]]).tolist()
-        dst: list[int] = []
+        where = np.full(st.max_num_seqs + 1, -1, np.int64)  # slot -> its index in the batch
+        where[batch.slots] = np.arange(len(batch.slots))
+        counts = np.asarray(batch.num_scheduled, np.int64)
+        flat_start = np.cumsum(counts) - counts
+        ran = counts - np.asarray(batch.num_drafts, np.int64)  # tokens run, drafts aside
+        starts = np.asarray(batch.start_positions, np.int64)
+        dst: list[np.ndarray] = []
         values: list[torch.Tensor] = []
         for step in self._open:
-            rows: list[int] = []  # of step.device_tokens
-            for j, (slot, generation, position) in enumerate(step.owners):
-                i = where.get(slot)
-                if i is None or position < 0 or st.generation[slot] != generation:
-                    continue
-                offset = position - batch.start_positions[i]
-                if 0 <= offset < batch.num_scheduled[i] - batch.num_drafts[i]:
-                    dst.append(flat_start[i] + offset)
-                    rows.append(j)
-            if rows:
+            slots, generations, positions = step.owners.T
+            i = where[slots]
+            offset = positions - starts[i]
+            rows = np.flatnonzero(
+                (i >= 0)
+                & (positions >= 0)
+                & (st.generation[slots] == generations)
+                & (offset >= 0)
+                & (offset < ran[i])
+            )  # of step.device_tokens
+            if rows.size:
                 assert step.device_tokens is not None
+                dst.append(flat_start[i[rows]] + offset[rows])
                 values.append(step.device_tokens[to_device(rows, self.device)])
         if dst:
-            batch.input_ids[to_device(dst, self.device)] = torch.cat(values).to(
+            batch.input_ids[to_device(np.concatenate(dst), self.device)] = torch.cat(values).to(
                 batch.input_ids.dtype
             )
 
@@ -496,11 +502,8 @@ class ModelRunner:
             zeros = torch.zeros((len(slots), 1), dtype=torch.long, device=self.device)
             self.draft_tokens.set_draft_tokens(req_ids, zeros, none, lengths, none.astype(bool))
             return
-        widths = [
-            int(min(st.num_speculative[s], st.max_model_len - st.num_tokens[s])) for s in slots
-        ]
-        if cap >= 0:
-            widths = [min(w, cap) for w in widths]
+        room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
+        widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
         proposal = self.drafter.propose(st, slots, widths)
         num = np.asarray(proposal.num_drafts, np.int64)
         st.num_drafts[slots] = num
