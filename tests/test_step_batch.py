@@ -1,6 +1,6 @@
-"""The step layout's array path for steps without drafts (``_build_without_drafts``) lays out
-exactly what the request-at-a-time path (``_build_any``) does: prefill chunks, decodes, a
-finished prompt's last chunk and a refused new request in one step."""
+"""For steps without drafts the worker lays out the batch and checks it as arrays: the layout
+(``_build_without_drafts``) is what the request-at-a-time path (``_build_any``) gives, and the
+checks (``_layout_without_drafts``) agree with ``_layout_any`` and leave every refusal to it."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import numpy as np
 import torch
 
 from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
+from worker.block_table import BlockTable
 from worker.requests import RequestStates
-from worker.step_batch import _build_any, _build_without_drafts, build_step_batch
+from worker.step_batch import StepError, _build_any, _build_without_drafts, build_step_batch
+from worker.step_checks import _fault, _layout_any, _layout_without_drafts
 
 
 def test_the_array_layout_equals_the_request_at_a_time_one() -> None:
@@ -58,3 +60,74 @@ def test_the_array_layout_equals_the_request_at_a_time_one() -> None:
         assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
     assert [o.tolist() for o in fast.own_drafts] == [o.tolist() for o in slow.own_drafts]
     assert fast.sample_idx == [0, 2, 3, 4]  # all but r1, mid-prompt
+
+
+def test_the_array_check_agrees_with_the_request_at_a_time_one() -> None:
+    """``_layout_without_drafts`` gives ``_layout_any``'s blocks and sampling rows for valid
+    steps without drafts, and declines (None) every step that ``_layout_any`` refuses."""
+    rng = np.random.default_rng(1)
+    cpu = torch.device("cpu")
+    agreed = refused = 0
+    for trial in range(300):
+        st = RequestStates(
+            vocab_size=100, max_num_seqs=6, max_model_len=48, max_num_draft_tokens=2, device=cpu
+        )
+        blocks = BlockTable(
+            num_blocks=64, block_size=4, max_num_seqs=6, max_blocks_per_seq=12, device=cpu
+        )
+        for i in range(int(rng.integers(0, 5))):
+            n = int(rng.integers(1, 40))
+            temperature = float(rng.choice([0.0, 0.7]))
+            st.add(NewRequest(f"r{i}", np.ones(n, np.int32), SamplingParams(temperature), 0), 2)
+            slot = st.slot_of[f"r{i}"]
+            st.num_computed[slot] = int(rng.integers(0, n))
+            blocks.grow(slot, int(st.num_computed[slot]))
+        new = {
+            f"n{i}": NewRequest(
+                f"n{i}", np.ones(int(rng.integers(1, 50)), np.int32), SamplingParams(), 0
+            )
+            for i in range(int(rng.integers(0, 3)))
+        }
+        ids = [*st.slot_of, *new, *(["ghost"] if trial % 10 == 0 else [])]
+        counts = rng.integers(0 if trial % 7 == 0 else 1, 20, len(ids)).astype(np.int64)
+        gone = {ids[0]} if ids and trial % 11 == 0 else set()
+        sched = SchedulerOutput(
+            step_id=trial,
+            new_requests=list(new.values()),
+            req_ids=ids,
+            num_scheduled_tokens=counts.astype(np.int32),
+            num_draft_tokens=np.zeros(len(ids), np.int32),
+            draft_token_ids=np.zeros(0, np.int32),
+            finished_req_ids=sorted(gone),
+            aborted_req_ids=[],
+            structured_req_ids=[],
+        )
+        skip = {"n1"} if "n1" in new else set()
+        accepted = {r: q for r, q in new.items() if r not in skip}
+
+        def running(req_id: str, st: RequestStates = st, gone: set[str] = gone) -> bool:
+            return req_id in st.slot_of and req_id not in gone
+
+        fault = _fault(trial)
+        fast = _layout_without_drafts(sched, st, counts, skip, accepted, gone, blocks)
+        try:
+            slow = _layout_any(
+                sched,
+                st,
+                counts,
+                counts * 0,
+                np.zeros(0, np.int64),
+                2,
+                skip,
+                accepted,
+                running,
+                blocks,
+                fault,
+            )
+        except StepError:
+            assert fast is None, trial
+            refused += 1
+            continue
+        assert fast == slow, trial
+        agreed += 1
+    assert agreed > 50 and refused > 50, (agreed, refused)

@@ -174,7 +174,96 @@ def check_step(
         accepted[req.req_id] = req
     skip = {e.req_id for e in rejected}
 
-    # The layout: every scheduled request's counts against its own state.
+    # The layout: every scheduled request's counts against its own state. A step without
+    # drafts is checked over the batch as arrays; a step that fails that (or has drafts) goes a
+    # request at a time, which names what is wrong.
+    layout = None
+    if not widths.any():
+        layout = _layout_without_drafts(sched, states, counts, skip, accepted, gone, blocks)
+    if layout is not None:
+        grow, rows_of, greedy = layout
+    else:
+        grow, rows_of, greedy = _layout_any(
+            sched, states, counts, widths, drafts, k, skip, accepted, running, blocks, fault
+        )
+    if blocks is not None:
+        _check_blocks(sched, states, blocks, gone, grow, fault)
+    _check_grammar(sched, rows_of, skip, vocab, fault)
+    _check_deferred(sched, rows_of, greedy, can_defer, fault)
+    return rejected
+
+
+def _layout_without_drafts(
+    sched: SchedulerOutput,
+    states: RequestStates,
+    counts: np.ndarray,
+    skip: set[str],
+    accepted: dict[str, NewRequest],
+    gone: set[str],
+    blocks: BlockTable | None,
+) -> tuple[int, dict[str, int], dict[str, bool]] | None:
+    """``_layout_any``'s answer for a step that schedules no drafts, over the batch as arrays;
+    None where any request breaks a rule (``_layout_any`` then names it)."""
+    slot_of = states.slot_of
+    running, new = [], []  # batch indices
+    for i, req_id in enumerate(sched.req_ids):
+        if req_id in skip:
+            continue
+        if req_id in accepted:
+            new.append(i)
+        elif req_id in slot_of and req_id not in gone:
+            running.append(i)
+        else:
+            return None  # not running on this worker
+    n = counts[running].astype(np.int64)
+    slots = np.asarray([slot_of[sched.req_ids[i]] for i in running], np.int64)
+    c, length = states.num_computed[slots], states.num_tokens[slots]
+    new_n = counts[new].astype(np.int64)
+    new_length = np.asarray(
+        [len(accepted[sched.req_ids[i]].prompt_token_ids) for i in new], np.int64
+    )
+    if (
+        (counts < 1).any()
+        or (c + n > length).any()
+        or (c + n > states.max_model_len).any()
+        or (new_n > new_length).any()
+        or (new_n > states.max_model_len).any()
+    ):
+        return None
+    grow = 0
+    if blocks is not None:
+        bs = blocks.block_size
+        grow = int(np.maximum(-(-(c + n) // bs) - blocks.num_held[slots], 0).sum())
+        grow += int((-(-new_n // bs)).sum())
+    rows_of: dict[str, int] = {}
+    greedy: dict[str, bool] = {}
+    for j in np.flatnonzero(c + n == length).tolist():
+        req_id = sched.req_ids[running[j]]
+        rows_of[req_id] = 1
+        greedy[req_id] = states.sampling[slots[j]].temperature == 0  # type: ignore[union-attr]
+    for j in np.flatnonzero(new_n == new_length).tolist():
+        req_id = sched.req_ids[new[j]]
+        rows_of[req_id] = 1
+        greedy[req_id] = accepted[req_id].sampling.temperature == 0
+    return grow, rows_of, greedy
+
+
+def _layout_any(
+    sched: SchedulerOutput,
+    states: RequestStates,
+    counts: np.ndarray,
+    widths: np.ndarray,
+    drafts: np.ndarray,
+    k: int,
+    skip: set[str],
+    accepted: dict[str, NewRequest],
+    running: Callable[[str], bool],
+    blocks: BlockTable | None,
+    fault: Fault,
+) -> tuple[int, dict[str, int], dict[str, bool]]:
+    """Every scheduled request's counts against its own state, a request at a time: the KV
+    blocks the forward takes, and per sampling request its logit rows (w + 1) and whether it is
+    greedy. Raises ``StepError`` naming the first request at fault."""
     grow = 0  # KV blocks the step's forward takes
     rows_of: dict[str, int] = {}  # req_id -> logit rows it samples (w + 1), for sampling requests
     greedy: dict[str, bool] = {}
@@ -251,11 +340,7 @@ def check_step(
         if c + m == length:
             rows_of[req_id] = w + 1
             greedy[req_id] = temperature == 0
-    if blocks is not None:
-        _check_blocks(sched, states, blocks, gone, grow, fault)
-    _check_grammar(sched, rows_of, skip, vocab, fault)
-    _check_deferred(sched, rows_of, greedy, can_defer, fault)
-    return rejected
+    return grow, rows_of, greedy
 
 
 def _check_blocks(
