@@ -103,3 +103,31 @@ def test_cuda_fp32_a_drafter_turned_down_to_zero_leaves_its_steps_open(kind: str
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     check_drafter_turned_down(kind, "cuda", widths_are_caps=True)
+
+
+def test_cuda_fp32_long_contexts_replay_the_graphs_captured_before_the_first_request() -> None:
+    """With the paged kernel a decode graph serves every context length: contexts past the
+    shortest length bucket run lossless without a capture after ``capture_all``."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device("cuda")
+    target = tiny_model("llama", seed=23).to(dev)
+    ref = reference_copy(target.cpu()).eval()
+    target = target.to(dev)
+    executor = ModelExecutor(target, max_num_seqs=2, max_model_len=1024, decode_width=4)
+    assert executor.kernel and not executor.decode.length_buckets
+    captured = executor.decode.capture_all()
+    assert captured == executor.decode.num_captured > 0
+    runner = ModelRunner(
+        executor,
+        NgramDrafter(min_n=1, max_n=3, max_num_tokens=3),
+        max_num_seqs=2,
+        max_model_len=1024,
+        max_num_draft_tokens=3,
+    )
+    prompts = [[5, 6, 7, 8] * 150, [9, 10, 11] * 90]  # 600 and 270 tokens
+    reqs = [Req(f"r{i}", p, 24, k=3) for i, p in enumerate(prompts)]
+    got = run(runner, reqs)
+    for r in reqs:
+        assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens)
+    assert executor.decode.num_forwards > 0
+    assert executor.decode.num_captured == captured, "a long context captured a new graph"

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from worker.attention import build_dense_metadata, build_metadata, specd_attention
+from worker.decode_graphs import DecodeGraphs
 from worker.kv_cache import KVCache
 
 HEADS, KV_HEADS, D = 4, 2, 16
@@ -231,3 +232,19 @@ def test_the_padded_decode_layout_matches_the_any_layout_builder(kernel: bool) -
         )
         outs.append(out[0, : 3 * w].cpu())
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-6, atol=1e-6)
+
+
+def test_decode_graphs_without_length_buckets_have_one_length() -> None:
+    """With the paged kernel (``length_buckets`` False) every context takes ``max_model_len``."""
+    cache = KVCache(
+        num_layers=1, num_kv_heads=1, head_dim=16, max_num_seqs=4, max_model_len=2048,
+        dtype=torch.float32, device=torch.device("cpu"), block_size=16,
+    )  # fmt: skip
+    kw = {"width": 2, "device": torch.device("cpu"), "use_graphs": False}
+    bucketed = DecodeGraphs(lambda *a: (torch.zeros(0), torch.zeros(0)), cache, **kw)
+    flat = DecodeGraphs(
+        lambda *a: (torch.zeros(0), torch.zeros(0)), cache, length_buckets=False, **kw
+    )
+    assert [bucketed._buckets(3, [s])[1] for s in (5, 300, 1500)] == [256, 512, 2048]
+    assert [flat._buckets(3, [s])[1] for s in (5, 300, 1500)] == [2048] * 3
+    assert flat._buckets(3, [5])[0] == bucketed._buckets(3, [5])[0] == 4

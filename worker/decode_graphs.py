@@ -7,7 +7,10 @@ context-length bucket. The layout pads every request to w tokens and the batch t
 where nothing reads them (past the request's own positions, or the scratch block) and their outputs
 are dropped. On CUDA each (batch bucket, length bucket) is captured once into a graph and then
 replayed: one launch for the whole model instead of a dozen Python-issued kernels per layer.
-Shapes are captured on first use.
+Shapes are captured on first use. With ``length_buckets`` False (attention through the paged
+kernel, whose work follows each token's own position whatever the block table's width) there is
+one length, ``max_model_len``: ``capture_all`` captures every shape before the first request,
+and no step waits for a capture when its context outgrows a bucket.
 
 Host inputs travel in one pinned buffer and one non-blocking copy; before the host rewrites that
 buffer it waits on the event of the previous copy (the copy may still be reading it).
@@ -71,8 +74,10 @@ class DecodeGraphs:
         device: torch.device,
         use_graphs: bool,
         token_bucket: int = 1,
+        length_buckets: bool = True,
     ) -> None:
         self.dense_forward = dense_forward
+        self.length_buckets = length_buckets
         self.kv_cache = kv_cache
         self.width = width  # the widest a request may be
         self.device = device
@@ -99,6 +104,8 @@ class DecodeGraphs:
         b = min(
             next((x for x in BATCH_BUCKETS if x >= num_reqs), num_reqs), self.kv_cache.max_num_seqs
         )
+        if not self.length_buckets:
+            return b, self.kv_cache.max_model_len
         need = max(start_positions) + self.width
         length = MIN_LEN_BUCKET
         while length < need:
@@ -126,13 +133,14 @@ class DecodeGraphs:
     def capture_all(self, max_context: int = MIN_LEN_BUCKET) -> int:
         """Capture every batch bucket and width for every length bucket up to ``max_context``
         now (a daemon does this for the shortest bucket before it reports ready, so the first
-        requests do not pay for captures; longer contexts are captured when first met).
+        requests do not pay for captures; longer contexts are captured when first met; without
+        ``length_buckets`` the one length covers every context).
         Returns how many shapes exist."""
         if not self.use_graphs:
             return 0
         lengths = {self._buckets(1, [max(n - self.width, 0)])[1] for n in (1, max_context)}
         length = MIN_LEN_BUCKET
-        while length < max(lengths):
+        while self.length_buckets and length < max(lengths):
             lengths.add(min(length, self.kv_cache.max_model_len))
             length *= 2
         for max_len in sorted(lengths):

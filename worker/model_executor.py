@@ -124,6 +124,8 @@ class ModelExecutor:
             device=self.device,
             use_graphs=cuda_graphs,
             token_bucket=TOKEN_BUCKET if invariant else 1,
+            # the paged kernel reads only each request's own keys: one length serves all
+            length_buckets=not self.kernel,
         )
         self.ragged = (
             RaggedGraphs(
