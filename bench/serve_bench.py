@@ -49,6 +49,7 @@ from bench.serve_load import (
     cpu_seconds,
     poisson,
     scrape,
+    scrape_tuner,
     step_stats,
     summarize,
 )
@@ -244,6 +245,8 @@ def served(
                 rows[-1]["client_cpu_ms"] = round(1000 * client_cpu / steps, 3) if steps else None
                 if http:
                     rows[-1]["http_cpu_ms"] = round(1000 * http_cpu / steps, 3) if steps else None
+                if drafter != "none":  # what the speculation tuner measured: "batch/width"
+                    rows[-1]["tuner"] = scrape_tuner(port)
                 print(json.dumps(rows[-1]), flush=True)
                 for spy in spies:
                     if spy is not None:

@@ -181,6 +181,27 @@ def scrape(port: int, prefix: str = "specd_scheduler_") -> dict[str, float]:
     return out
 
 
+def scrape_tuner(port: int) -> dict[str, dict[str, float]]:
+    """The scheduler's speculation tuner as /metrics shows it: "batch/width" -> its step time
+    (ms, at no prefill) and samples."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    out: dict[str, dict[str, float]] = {}
+    pat = r'^specd_scheduler_tuner_(step_seconds|samples)\{batch="(\d+)",width="(\d+)"\} (\S+)$'
+    for m in re.finditer(pat, text, re.M):
+        entry = out.setdefault(f"{m.group(2)}/{m.group(3)}", {})
+        value = float(m.group(4))
+        if m.group(1) == "step_seconds":
+            entry["ms"] = round(1000 * value, 3)
+        else:
+            entry["samples"] = value
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of process ``pid`` (all its threads), from /proc."""
     with open(f"/proc/{pid}/stat") as f:

@@ -124,6 +124,8 @@ class Engine:
             self.scheduler = Scheduler(config.scheduler, limits, self.tokenizer, grammar)
             self.prom = SchedulerMetrics()
             self.scheduler.on_finish = self.prom.record_finished
+            if self.scheduler.tuner is not None:
+                self.prom.watch_tuner(self.scheduler.tuner)
             # the port bound (the one asked for, or a free one for -1); 0: not serving
             self.metrics_port = (
                 self.prom.serve(config.metrics_port, config.metrics_host)

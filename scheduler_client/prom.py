@@ -6,9 +6,11 @@ from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from scheduler_client.request import Request
+from scheduler_client.spec_tuner import SpeculationTuner
 
 
 def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
@@ -95,6 +97,30 @@ class SchedulerMetrics:
             "Running requests preempted for want of KV blocks (recomputed later), since start",
             registry=r,
         )
+
+    def watch_tuner(self, tuner: SpeculationTuner) -> None:
+        """Export the speculation tuner's measured step times, read at each scrape."""
+
+        class TunerView:
+            def collect(self) -> Iterator[Metric]:
+                seconds = GaugeMetricFamily(
+                    "specd_scheduler_tuner_step_seconds",
+                    "The speculation tuner's step time at no prefill, by batch bucket and width "
+                    "(1 + drafts verified)",
+                    labels=["batch", "width"],
+                )
+                samples = GaugeMetricFamily(
+                    "specd_scheduler_tuner_samples",
+                    "Steps behind each of the tuner's step times",
+                    labels=["batch", "width"],
+                )
+                for b, w, t, n in tuner.snapshot():
+                    seconds.add_metric([str(b), str(w)], t)
+                    samples.add_metric([str(b), str(w)], n)
+                yield seconds
+                yield samples
+
+        self.registry.register(TunerView())
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host``:``port`` (-1: any free port) until ``stop``; returns the

@@ -151,6 +151,16 @@ class SpeculationTuner:
         kept drafting on every new request's optimism."""
         return (num_accepted + self.prior * PRIOR_WEIGHT) / (num_judged + PRIOR_WEIGHT)
 
+    def snapshot(self) -> list[tuple[int, int, float, int]]:
+        """(batch bucket, width 1 + K, the decode part of its step time in seconds, samples) of
+        every width measured: what the choices are made from (``/metrics``)."""
+        out = []
+        for b, bucket in list(self._buckets.items()):
+            fits = dict(bucket.fits)  # a scrape's thread: the engine's may add a width meanwhile
+            for w, seconds in sorted(_Bucket(fits=fits).seconds.items()):
+                out.append((b, w, seconds, fits[w].n))
+        return out
+
     def observe_judged(self, num_judged: int, num_accepted: int) -> None:
         """One request's step: drafts the target judged (accepted + the first rejected) and
         accepted."""

@@ -7,9 +7,12 @@ import random
 from types import SimpleNamespace
 
 import numpy as np
+import pytest
+from prometheus_client import generate_latest
 
 from protocol.messages import ModelRunnerOutput, NewRequest, SamplingParams, SchedulerOutput
 from scheduler_client.engine import Engine
+from scheduler_client.prom import SchedulerMetrics
 from scheduler_client.spec_tuner import (
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
@@ -364,3 +367,19 @@ def test_one_slow_step_does_not_keep_a_paying_drafter_off() -> None:
         avail = p
         ks.append(k)
     assert 0 in ks[:60] and ks[-60:] == [4] * 60, ks
+
+
+def test_metrics_show_what_the_tuner_measured() -> None:
+    """/metrics exports the tuner's step time and samples per batch bucket and width, read at
+    each scrape."""
+    tuner = SpeculationTuner(4)
+    prom = SchedulerMetrics()
+    prom.watch_tuner(tuner)
+    assert "specd_scheduler_tuner_step_seconds{" not in generate_latest(prom.registry).decode()
+    for _ in range(3):
+        tuner.observe_step(3, 1, 0.002, 0, 0)
+    tuner.observe_step(3, 5, 0.004, 4, 0)
+    assert tuner.snapshot() == [(4, 1, pytest.approx(0.002), 3), (4, 5, pytest.approx(0.004), 1)]
+    text = generate_latest(prom.registry).decode()
+    assert 'specd_scheduler_tuner_step_seconds{batch="4",width="5"} 0.004' in text
+    assert 'specd_scheduler_tuner_samples{batch="4",width="1"} 3.0' in text
