@@ -92,6 +92,7 @@ class WorkerLimits:
 
 # the token budget when neither the user nor the worker (protocol minor < 2) names one
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
+DRAFT_HITS_EMA = 0.25  # weight of a step in a request's draft hit rate (Request.draft_hits)
 
 
 def resolve_limits(config: SchedulerConfig, limits: WorkerLimits) -> tuple[int, int]:
@@ -142,6 +143,8 @@ class Scheduler:
         # output has not arrived: one in sync mode, up to max_steps_in_flight with overlap
         self.steps: dict[int, tuple[dict[str, tuple[int, int]], set[str]]] = {}
         self.metrics = RequestMetrics()
+        # step_id -> the most drafts asked for after it (max_draft_proposals), until its drafts
+        self.proposal_caps: dict[int, int] = {}
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
             SpeculationTuner(limits.max_num_speculative_tokens)
@@ -240,6 +243,7 @@ class Scheduler:
         self.running = []
         self.to_free, self.to_abort = [], []
         self.steps = {}
+        self.proposal_caps = {}
         self.last_done_step = self.step_id - 1
 
     def has_work(self) -> bool:
@@ -406,6 +410,7 @@ class Scheduler:
         )
         self.to_free, self.to_abort = [], []
         self.steps[self.step_id] = (scheduled, sampling)
+        self.proposal_caps[self.step_id] = out.max_draft_proposals
         self.step_id += 1
         return out
 
@@ -470,7 +475,10 @@ class Scheduler:
         if not any(avail):
             return 0
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
-        return self.tuner.choose(alphas, avail)
+        # a request whose drafts are not back yet (overlap) verifies what the drafter finds
+        # for it: its hit rate; one whose drafts are here verifies them
+        hits = [r.draft_hits if r.pending_samples else 1.0 for r in decoding]
+        return self.tuner.choose(alphas, avail, hits)
 
     def _proposals(self, sampling: set[str]) -> int:
         """The most drafts the worker proposes after this step (the tuner's choice; -1: each
@@ -479,7 +487,8 @@ class Scheduler:
             return -1
         reqs = [self.requests[r] for r in sampling]
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in reqs]
-        return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs])
+        hits = [r.draft_hits for r in reqs]
+        return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs], hits)
 
     def update(self, out: ModelRunnerOutput) -> list[Request]:
         """Commit the step's sampled tokens; returns the requests that finished."""
@@ -583,6 +592,9 @@ class Scheduler:
         """Drafts proposed after ``msg.step_id``. Anything that does not match the step and
         lengths we expect is discarded: the request simply runs without drafts (fail closed)."""
         stale_step = msg.step_id != self.last_done_step
+        asked = self.proposal_caps.pop(msg.step_id, 0)
+        for step_id in [s for s in self.proposal_caps if s < msg.step_id]:
+            del self.proposal_caps[step_id]  # steps whose drafts never came (refused, lost)
         off = 0
         for i, req_id in enumerate(msg.req_ids):
             w = int(msg.num_draft_tokens[i])
@@ -591,6 +603,12 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.finished:
                 continue
+            want = (
+                req.num_speculative_tokens if asked < 0 else min(asked, req.num_speculative_tokens)
+            )
+            want = min(want, self.limits.max_model_len - req.num_tokens)
+            if want > 0:
+                req.draft_hits += DRAFT_HITS_EMA * (min(w / want, 1.0) - req.draft_hits)
             # a waiting request (requeued or preempted) has nothing on the worker: its drafts
             # are stale too, and it starts again without any
             waiting = req.status is not Status.RUNNING

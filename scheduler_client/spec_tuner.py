@@ -16,9 +16,11 @@ drafting (the prefill dilutes what the extra width costs) where it loses. It est
 request's per-draft acceptance probability alpha from its own history and picks the K that maximises
 expected goodput,
 
-    sum over requests of (1 - alpha^(k+1)) / (1 - alpha)   /   step time(batch, 1 + K),
+    sum over requests of 1 + h * ((1 - alpha^(k+1)) / (1 - alpha) - 1)   /   step time(batch, 1 + K),
 
-with k = min(K, the request's drafts). For a batch size it has not measured, it runs each end (no
+with k = min(K, the request's drafts) and h the share of the drafts asked for that the drafter
+finds for the request (``Request.draft_hits``: an n-gram lookup finds a match for some requests;
+1 where the drafts are already known, and for a model drafter). For a batch size it has not measured, it runs each end (no
 drafts, all drafts) for two steps, propose then verify; widths in between are interpolated, and the
 end not in use is re-measured now and then (two steps: propose, then verify what was proposed), so a
 machine whose costs change is followed; each re-measurement that confirms the choice doubles the
@@ -169,9 +171,12 @@ class SpeculationTuner:
         self._pool_judged = POOL_KEEP * self._pool_judged + num_judged
         self._pool_accepted = POOL_KEEP * self._pool_accepted + num_accepted
 
-    def propose(self, alphas: Sequence[float], caps: Sequence[int]) -> int:
+    def propose(
+        self, alphas: Sequence[float], caps: Sequence[int], hits: Sequence[float] | None = None
+    ) -> int:
         """How many drafts (0..max_k) the worker proposes for each of these requests after this
-        step (those that sample; ``caps[i]``: a request's own width), for the next step to
+        step (those that sample; ``caps[i]``: a request's own width; ``hits[i]``: the share of
+        the drafts asked for that the drafter finds for it, 1 if None), for the next step to
         verify. Zero when speculation does not pay: then the drafter does no work."""
         top = min(self.max_k, max(caps, default=0))
         if top <= 0:
@@ -189,9 +194,9 @@ class SpeculationTuner:
             if width not in known:
                 bucket.hold = self._verify = width - 1
                 return width - 1
-        best_k = self._best(known, alphas, caps, top)
+        best_k = self._best(known, alphas, caps, top, hits)
         if bucket.next_explore < 0:  # both ends just measured
-            wait = max(bucket.explore_every, self._explore_wait(bucket, alphas, caps, top))
+            wait = max(bucket.explore_every, self._explore_wait(bucket, alphas, caps, top, hits))
             bucket.next_explore = bucket.decisions + wait
         if bucket.explored_from >= 0:
             fit = bucket.fits.get(bucket.explored_width)
@@ -211,7 +216,7 @@ class SpeculationTuner:
             if bucket.explored_from < 0:
                 wait = bucket.explore_every
                 if wait > EXPLORE_EVERY:  # confirmed: no sooner than its cost allows
-                    wait = max(wait, self._explore_wait(bucket, alphas, caps, top))
+                    wait = max(wait, self._explore_wait(bucket, alphas, caps, top, hits))
                 bucket.next_explore = bucket.explored_at + wait
         elif bucket.decisions >= bucket.next_explore:  # refresh an end we are not using
             # from a width in between, the two ends by turns (the widths between are timed only
@@ -246,11 +251,14 @@ class SpeculationTuner:
         times = self._buckets[near[0][1]].seconds
         bucket.fits[width] = _Fit(t=bucket.seconds[1] * times[width] / times[1])
 
-    def choose(self, alphas: Sequence[float], caps: Sequence[int]) -> int:
+    def choose(
+        self, alphas: Sequence[float], caps: Sequence[int], hits: Sequence[float] | None = None
+    ) -> int:
         """The batch's draft width K (0..max_k) for a decode step of these requests (all of
         them: a request without drafts has cap 0 and still yields its one token), each able to
-        verify at most ``caps[i]`` drafts (what the worker proposed). Every draft held, until
-        both ends are measured."""
+        verify at most ``caps[i]`` drafts (what the worker proposed; with overlap, for a request
+        whose drafts are not back yet, its own width found with the share ``hits[i]``). Every
+        draft held, until both ends are measured."""
         top = min(self.max_k, max(caps, default=0))
         bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
         verify, self._verify = self._verify, -1
@@ -261,28 +269,47 @@ class SpeculationTuner:
         known = bucket.seconds
         if 1 + top not in known or 1 not in known:
             return top
-        return self._best(known, alphas, caps, top)
+        return self._best(known, alphas, caps, top, hits)
 
     def _best(
-        self, known: dict[int, float], alphas: Sequence[float], caps: Sequence[int], top: int
+        self,
+        known: dict[int, float],
+        alphas: Sequence[float],
+        caps: Sequence[int],
+        top: int,
+        hits: Sequence[float] | None = None,
     ) -> int:
         """The K in 0..top of the highest expected tokens per second."""
-        rates = self._rates(known, alphas, caps, top)
+        rates = self._rates(known, alphas, caps, top, hits)
         return max(range(top + 1), key=lambda k: (rates[k], -k))
 
     def _rates(
-        self, known: dict[int, float], alphas: Sequence[float], caps: Sequence[int], top: int
+        self,
+        known: dict[int, float],
+        alphas: Sequence[float],
+        caps: Sequence[int],
+        top: int,
+        hits: Sequence[float] | None = None,
     ) -> list[float]:
         """Expected tokens per second of each K in 0..top."""
-        # gain[k] = sum over requests of expected_tokens(alpha, min(k, cap)), for every k at once
-        # (a Python double loop cost 0.22 ms a step at batch 64: bench/scheduler_step_bench.py)
+        # gain[k] = sum over requests of 1 + hit * (expected_tokens(alpha, min(k, cap)) - 1),
+        # for every k at once (a request the drafter finds nothing for yields its one token;
+        # a Python double loop cost 0.22 ms a step at batch 64: bench/scheduler_step_bench.py)
         a = np.minimum(np.asarray(alphas, np.float64), 1.0 - 1e-9)
         ks = np.minimum(np.arange(top + 1)[:, None], np.asarray(caps)[None, :])  # [K + 1, B]
-        gains = ((1.0 - a ** (ks + 1)) / (1.0 - a)).sum(axis=1)
+        extra = (1.0 - a ** (ks + 1)) / (1.0 - a) - 1.0
+        if hits is not None:
+            extra = extra * np.clip(np.asarray(hits, np.float64), 0.0, 1.0)
+        gains = (1.0 + extra).sum(axis=1)
         return [float(gains[k]) / self._time(known, 1 + k) for k in range(top + 1)]
 
     def _explore_wait(
-        self, bucket: _Bucket, alphas: Sequence[float], caps: Sequence[int], top: int
+        self,
+        bucket: _Bucket,
+        alphas: Sequence[float],
+        caps: Sequence[int],
+        top: int,
+        hits: Sequence[float] | None = None,
     ) -> int:
         """Decisions between re-measurements so that they cost at most EXPLORE_SHARE of the
         time: a re-measurement runs two steps at the other end, each losing what the best width
@@ -291,7 +318,7 @@ class SpeculationTuner:
         at most EXPLORE_EVERY * 4^(samples - 1): one step slowed by a busy host must not keep a
         drafter that pays off for thousands of steps."""
         known = bucket.seconds
-        rates = self._rates(known, alphas, caps, top)
+        rates = self._rates(known, alphas, caps, top, hits)
         best_k = max(range(top + 1), key=lambda k: (rates[k], -k))
         other = top if best_k == 0 else 0
         longer = self._time(known, 1 + other) / self._time(known, 1 + best_k)
