@@ -164,16 +164,21 @@ def poisson(
     return results, time.perf_counter() - t0, time.process_time() - cpu0
 
 
+def metrics_text(port: int) -> str:
+    """A local /metrics page."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("GET", "/metrics")
+        return conn.getresponse().read().decode()
+    finally:
+        conn.close()
+
+
 def scrape(port: int, prefix: str = "specd_scheduler_") -> dict[str, float]:
     """Unlabelled counters (``*_total``) and histogram sums and counts (``*_sum``, ``*_count``)
     whose names start with ``prefix``: the scheduler's by default, ``specd_worker_`` for a
     worker's ``--metrics-port``."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    text = metrics_text(port)
     out = {}
     pat = rf"^({re.escape(prefix)}\w+_(?:total|sum|count)) ([0-9.e+-]+)$"
     for m in re.finditer(pat, text, re.M):
@@ -184,12 +189,7 @@ def scrape(port: int, prefix: str = "specd_scheduler_") -> dict[str, float]:
 def scrape_tuner(port: int) -> dict[str, dict[str, float]]:
     """The scheduler's speculation tuner as /metrics shows it: "batch/width" -> its step time
     (ms, at no prefill) and samples."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-    finally:
-        conn.close()
+    text = metrics_text(port)
     out: dict[str, dict[str, float]] = {}
     pat = r'^specd_scheduler_tuner_(step_seconds|samples)\{batch="(\d+)",width="(\d+)"\} (\S+)$'
     for m in re.finditer(pat, text, re.M):

@@ -194,7 +194,7 @@ class SpeculationTuner:
             if width not in known:
                 bucket.hold = self._verify = width - 1
                 return width - 1
-        best_k = self._best(known, alphas, caps, top, hits)
+        best_k = self._best(self._rates(known, alphas, caps, top, hits))
         if bucket.next_explore < 0:  # both ends just measured
             wait = max(bucket.explore_every, self._explore_wait(bucket, alphas, caps, top, hits))
             bucket.next_explore = bucket.decisions + wait
@@ -269,19 +269,12 @@ class SpeculationTuner:
         known = bucket.seconds
         if 1 + top not in known or 1 not in known:
             return top
-        return self._best(known, alphas, caps, top, hits)
+        return self._best(self._rates(known, alphas, caps, top, hits))
 
-    def _best(
-        self,
-        known: dict[int, float],
-        alphas: Sequence[float],
-        caps: Sequence[int],
-        top: int,
-        hits: Sequence[float] | None = None,
-    ) -> int:
-        """The K in 0..top of the highest expected tokens per second."""
-        rates = self._rates(known, alphas, caps, top, hits)
-        return max(range(top + 1), key=lambda k: (rates[k], -k))
+    @staticmethod
+    def _best(rates: list[float]) -> int:
+        """The K of the highest expected tokens per second (the narrower of a tie)."""
+        return max(range(len(rates)), key=lambda k: (rates[k], -k))
 
     def _rates(
         self,
@@ -319,7 +312,7 @@ class SpeculationTuner:
         drafter that pays off for thousands of steps."""
         known = bucket.seconds
         rates = self._rates(known, alphas, caps, top, hits)
-        best_k = max(range(top + 1), key=lambda k: (rates[k], -k))
+        best_k = self._best(rates)
         other = top if best_k == 0 else 0
         longer = self._time(known, 1 + other) / self._time(known, 1 + best_k)
         loss = 2.0 * longer * max(1.0 - rates[other] / max(rates[best_k], 1e-30), 0.0)
