@@ -191,7 +191,10 @@ def scrape_tuner(port: int) -> dict[str, dict[str, float]]:
     (ms, at no prefill) and samples."""
     text = metrics_text(port)
     out: dict[str, dict[str, float]] = {}
-    pat = r'^specd_scheduler_tuner_(step_seconds|samples)\{batch="(\d+)",width="(\d+)"\} (\S+)$'
+    # (several workers add a worker label: their buckets are keyed together, the last wins)
+    pat = (
+        r'^specd_scheduler_tuner_(step_seconds|samples)\{batch="(\d+)",width="(\d+)"[^}]*\} (\S+)$'
+    )
     for m in re.finditer(pat, text, re.M):
         entry = out.setdefault(f"{m.group(2)}/{m.group(3)}", {})
         value = float(m.group(4))

@@ -603,12 +603,6 @@ class Scheduler:
             req = self.requests.get(req_id)
             if req is None or req.finished:
                 continue
-            want = (
-                req.num_speculative_tokens if asked < 0 else min(asked, req.num_speculative_tokens)
-            )
-            want = min(want, self.limits.max_model_len - req.num_tokens)
-            if want > 0:
-                req.draft_hits += DRAFT_HITS_EMA * (min(w / want, 1.0) - req.draft_hits)
             # a waiting request (requeued or preempted) has nothing on the worker: its drafts
             # are stale too, and it starts again without any
             waiting = req.status is not Status.RUNNING
@@ -617,6 +611,12 @@ class Scheduler:
                 req.draft_ids = np.zeros(0, np.int32)
                 req.last_drafts = None
                 continue
+            want = (
+                req.num_speculative_tokens if asked < 0 else min(asked, req.num_speculative_tokens)
+            )
+            want = min(want, self.limits.max_model_len - req.num_tokens)
+            if want > 0:  # how much of what was asked the drafter found for this request
+                req.draft_hits += DRAFT_HITS_EMA * (min(w / want, 1.0) - req.draft_hits)
             try:
                 self._take_request_drafts(req, ids)
             except Exception as e:

@@ -160,7 +160,8 @@ class SpeculationTuner:
         for b, bucket in list(self._buckets.items()):
             fits = dict(bucket.fits)  # a scrape's thread: the engine's may add a width meanwhile
             for w, seconds in sorted(_Bucket(fits=fits).seconds.items()):
-                out.append((b, w, seconds, fits[w].n))
+                if fits[w].n:  # a time borrowed from another batch size is not shown
+                    out.append((b, w, seconds, fits[w].n))
         return out
 
     def observe_judged(self, num_judged: int, num_accepted: int) -> None:

@@ -5,13 +5,14 @@ checks (``_layout_without_drafts``) agree with ``_layout_any`` and leave every r
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
 from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
 from worker.block_table import BlockTable
 from worker.requests import RequestStates
 from worker.step_batch import StepError, _build_any, _build_without_drafts, build_step_batch
-from worker.step_checks import _fault, _layout_any, _layout_without_drafts
+from worker.step_checks import StepLimits, _fault, _layout_any, _layout_without_drafts, check_step
 
 
 def test_the_array_layout_equals_the_request_at_a_time_one() -> None:
@@ -131,3 +132,27 @@ def test_the_array_check_agrees_with_the_request_at_a_time_one() -> None:
         assert fast == slow, trial
         agreed += 1
     assert agreed > 50 and refused > 50, (agreed, refused)
+
+
+def test_a_count_near_the_int64_limit_is_refused_not_wrapped() -> None:
+    """``c + n`` of a count near 2**63 wraps negative in numpy: the array path must decline
+    it before adding, so ``check_step`` refuses the step by name."""
+    cpu = torch.device("cpu")
+    st = RequestStates(
+        vocab_size=100, max_num_seqs=2, max_model_len=64, max_num_draft_tokens=2, device=cpu
+    )
+    st.add(NewRequest("r", np.ones(8, np.int32), SamplingParams(), 0), 2)
+    st.num_computed[st.slot_of["r"]] = 5
+    sched = SchedulerOutput(
+        step_id=0,
+        new_requests=[],
+        req_ids=["r"],
+        num_scheduled_tokens=np.array([2**63 - 3], np.int64),
+        num_draft_tokens=np.zeros(1, np.int32),
+        draft_token_ids=np.zeros(0, np.int32),
+        finished_req_ids=[],
+        aborted_req_ids=[],
+        structured_req_ids=[],
+    )
+    with pytest.raises(StepError, match="num_scheduled_tokens"):
+        check_step(sched, st, StepLimits(vocab_size=100, max_num_draft_tokens=2))

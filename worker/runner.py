@@ -439,7 +439,9 @@ class ModelRunner:
     def _advance(self, batch: StepBatch) -> None:
         """Each request's computed length past the tokens it ran, less its drafts (a slot is
         scheduled at most once a step)."""
-        self.states.num_computed[batch.slots] += np.subtract(batch.num_scheduled, batch.num_drafts)
+        self.states.num_computed[batch.slots] += np.subtract(
+            batch.num_scheduled, batch.num_drafts, dtype=np.int64
+        )
 
     def _trim(self, batch: StepBatch) -> None:
         """Blocks wholly past the computed length (rejected drafts) go back: between steps a

@@ -222,13 +222,10 @@ def _layout_without_drafts(
     new_length = np.asarray(
         [len(accepted[sched.req_ids[i]].prompt_token_ids) for i in new], np.int64
     )
-    if (
-        (counts < 1).any()
-        or (c + n > length).any()
-        or (c + n > states.max_model_len).any()
-        or (new_n > new_length).any()
-        or (new_n > states.max_model_len).any()
-    ):
+    # no sums before the bounds hold: a count near the int64 limit would wrap past them
+    if (counts < 1).any() or (counts > states.max_model_len).any():
+        return None
+    if (c + n > length).any() or (c + n > states.max_model_len).any() or (new_n > new_length).any():
         return None
     grow = 0
     if blocks is not None:
