@@ -57,6 +57,48 @@ def test_greedy_output_equals_target_greedy(arch: str) -> None:
     assert sum(r.verified for r in reqs) > 0
 
 
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("triton", marks=pytest.mark.triton)])
+def test_the_feature_store_holds_the_targets_hidden_states(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The runner writes every token's hidden state at the cache row its layout reports
+    (``ModelExecutor.last_cache_rows``: the padded decode layout, the ragged one with the paged
+    kernel, the eager one without); when a request leaves, its committed positions hold the
+    target's own hidden states (drafts rejected on the way were overwritten), and the output
+    is the target's."""
+    monkeypatch.setenv("SPECD_ATTENTION_BACKEND", backend)
+    target = tiny_model("llama", seed=42)
+    ref = reference_copy(target)
+    runner = make_runner(target, random_head(target, 2))
+    assert runner.target.kernel == (backend == "triton")
+    drafter = runner.drafter
+    assert isinstance(drafter, EagleDrafter)
+    checked = []
+    drop = runner._drop
+
+    def check_then_drop(req_id: str) -> None:
+        slot = runner.states.slot_of[req_id]
+        n = int(drafter.num_features[slot])
+        tokens = torch.as_tensor(runner.states.token_ids[slot, :n], dtype=torch.long)
+        with torch.no_grad():
+            want = ref.get_decoder()(input_ids=tokens[None]).last_hidden_state[0]
+        rows = drafter.feature_rows(np.full(n, slot), np.arange(n))
+        torch.testing.assert_close(drafter.features[rows], want, rtol=1e-4, atol=1e-4)
+        checked.append(n)
+        drop(req_id)
+
+    runner._drop = check_then_drop  # type: ignore[method-assign]
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12, 13, 14, 15, 16, 17]]
+    reqs = [Req(f"r{i}", p, 20, k=K, arrive=i, chunk=4 if i else 0) for i, p in enumerate(prompts)]
+    got = run(runner, reqs)
+    for r in reqs:
+        assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens), r.req_id
+    assert sum(r.verified for r in reqs) > 0
+    assert len(checked) == 2 and min(checked) > len(prompts[1])
+    if backend == "triton":
+        assert runner.target.ragged is not None and runner.target.ragged.num_forwards > 0
+
+
 def test_a_head_that_predicts_the_target_is_accepted() -> None:
     """Sanity of the plumbing: a head trained in a few hundred steps to map (f_t, x_{t+1}) to
     f_{t+1} on the target's own greedy text gets drafts accepted (a random head almost never)."""

@@ -91,6 +91,8 @@ class DecodeGraphs:
         self._side = torch.cuda.Stream(device) if self.use_graphs else None
         self.num_captured = 0
         self.num_forwards = 0
+        # the last forward's (slot mapping [T], flat token -> padded row [total]) on the device
+        self.last_rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def fits(self, num_tokens: list[int], start_positions: list[int]) -> bool:
         if not num_tokens or len(num_tokens) > self.kv_cache.max_num_seqs:
@@ -243,4 +245,5 @@ class DecodeGraphs:
             assert logits is not None and hidden is not None
         else:
             logits, hidden = self.dense_forward(d_ids, d_pos, d_map, d_slots, b, w, max_len)
+        self.last_rows = (d_map, d_dest)  # the tokens' cache rows: d_map[d_dest]
         return logits[d_dest[logits_indices]], hidden[d_dest]

@@ -116,6 +116,8 @@ class ModelExecutor:
         self.backbone = model.get_decoder()
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         self.lm_head = model.get_output_embeddings()
+        # where the last forward's tokens' keys went (last_cache_rows)
+        self._rows: torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None = None
         invariant = batch_invariant != "off"
         self.decode = DecodeGraphs(
             self._dense_forward,
@@ -191,11 +193,12 @@ class ModelExecutor:
             slots, [s + n for s, n in zip(start_positions, num_tokens, strict=True)]
         )
         if self.decode.fits(num_tokens, start_positions):
-            return self.decode.forward(
-                input_ids, slots, start_positions, num_tokens, logits_indices
-            )
+            out = self.decode.forward(input_ids, slots, start_positions, num_tokens, logits_indices)
+            self._rows = self.decode.last_rows
+            return out
         if self.ragged is not None and self.ragged.fits(len(input_ids), len(slots)):
             hidden = self.ragged.forward(input_ids, slots, start_positions, num_tokens)
+            self._rows = self.ragged.last_rows
             logits = self.lm_head(hidden[logits_indices]).float()
             return logits[:, : self.vocab_size], hidden
         pad = 0
@@ -217,8 +220,17 @@ class ModelExecutor:
             kernel=self.kernel,
         )
         hidden = self._backbone(input_ids, positions, meta)  # [num_tokens_total, hidden]
+        self._rows = meta.slot_mapping
         logits = self.lm_head(hidden[logits_indices]).float()  # [num_logits, vocab]
         return logits[:, : self.vocab_size], hidden
+
+    def last_cache_rows(self) -> torch.Tensor:
+        """[tokens of the last forward (padding after them)] the flat KV-cache row each of its
+        tokens wrote, on the device, in the forward's flat order. Valid until the next forward
+        is launched (the graphs' buffers are reused)."""
+        rows = self._rows
+        assert rows is not None, "no forward has run"
+        return rows[0][rows[1]] if isinstance(rows, tuple) else rows
 
     def _backbone(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: object

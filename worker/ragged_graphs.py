@@ -90,6 +90,7 @@ class RaggedGraphs:
         self._side = torch.cuda.Stream(device) if self.use_graphs else None
         self.num_captured = 0
         self.num_forwards = 0
+        self.last_rows: torch.Tensor | None = None  # the last forward's tokens' cache rows
 
     def fits(self, total_tokens: int, num_reqs: int) -> bool:
         return 0 < total_tokens <= self.buckets[-1] and 0 < num_reqs <= self.num_reqs
@@ -200,5 +201,6 @@ class RaggedGraphs:
             hidden = g.hidden
         else:
             hidden = self.backbone(g.input_ids, *self._meta(g))
+        self.last_rows = g.split(g.inputs, self.num_reqs)[1][:total]  # the tokens' cache rows
         # a copy: the graph's output buffer is overwritten by the next replay
         return hidden[:total].clone()

@@ -456,23 +456,20 @@ class ModelRunner:
     def feed_hidden_states(
         self, batch: StepBatch, hidden: torch.Tensor, num_accepted: np.ndarray
     ) -> None:
-        """The target's hidden states of the positions this step committed (prefill tokens, the
-        last token and the accepted drafts; never a rejected draft's) go to the drafter."""
-        counts = np.asarray(batch.num_scheduled, np.int64)
-        valid = counts - np.asarray(batch.num_drafts, np.int64)
+        """The target's hidden states of every token the step ran go to the drafter, at their
+        KV-cache rows, with each request's committed length after the step (prefill tokens, the
+        last token and the accepted drafts count; a rejected draft's state is overwritten when its
+        position runs again, as its keys are)."""
+        valid = np.subtract(batch.num_scheduled, batch.num_drafts, dtype=np.int64)
         valid[batch.sample_idx] += num_accepted
-        total = int(valid.sum())
-        # the first ``valid`` rows of each request's stretch of the flat batch, in one go
-        offsets = np.arange(total) - np.repeat(np.cumsum(valid) - valid, valid)
-        rows_np = np.repeat(np.cumsum(counts) - counts, valid) + offsets
-        slots = np.repeat(np.asarray(batch.slots, np.int64), valid)
-        positions = np.repeat(np.asarray(batch.start_positions, np.int64), valid) + offsets
+        total = sum(batch.num_scheduled)  # the forward's real tokens (padding after them)
         states = get_drafter_hidden_states(self.target.model, hidden)  # [num_tokens, H]
-        # every position the step ran is committed (no drafts, or all accepted): no gather
-        picked = (
-            states[:total] if total == len(states) else states[to_device(rows_np, hidden.device)]
+        self.drafter.observe(
+            self.target.last_cache_rows()[:total],
+            states[:total],
+            np.asarray(batch.slots, np.int64),
+            np.asarray(batch.start_positions, np.int64) + valid,
         )
-        self.drafter.observe(slots, positions, picked)
 
     def propose_drafts(
         self,

@@ -162,12 +162,14 @@ class EagleDrafter(Drafter):
         self.num_computed[slot] = 0
         self.kv_cache.free(slot)
 
-    def observe(self, slots: np.ndarray, positions: np.ndarray, hidden: torch.Tensor) -> None:
+    def observe(
+        self, rows: torch.Tensor, hidden: torch.Tensor, slots: np.ndarray, lengths: np.ndarray
+    ) -> None:
         if not len(slots):
             return
-        # committed positions: their blocks stay the target's until the request leaves
-        self.features[self.feature_rows(slots, positions)] = hidden.to(self.dtype)
-        np.maximum.at(self.num_features, slots, positions + 1)
+        # the feature store's rows are the target's cache rows: one scatter, no host indices
+        self.features.index_copy_(0, rows, hidden.to(self.dtype))
+        self.num_features[slots] = np.maximum(self.num_features[slots], lengths)
 
     def _run(
         self,
