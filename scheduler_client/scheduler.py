@@ -143,8 +143,10 @@ class Scheduler:
         # output has not arrived: one in sync mode, up to max_steps_in_flight with overlap
         self.steps: dict[int, tuple[dict[str, tuple[int, int]], set[str]]] = {}
         self.metrics = RequestMetrics()
-        # step_id -> the most drafts asked for after it (max_draft_proposals), until its drafts
+        # step_id -> the most drafts asked for after it (max_draft_proposals), while in flight;
+        # then the last step settled's, for its drafts, which follow its output (draft_hits)
         self.proposal_caps: dict[int, int] = {}
+        self.last_settled_asked = 0
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
             SpeculationTuner(limits.max_num_speculative_tokens)
@@ -442,6 +444,7 @@ class Scheduler:
     def _settle(self, step_id: int) -> dict[str, tuple[int, int]]:
         """Remove a step from the in-flight books; returns its (scheduled, drafts) per request."""
         step, sampling = self.steps.pop(step_id, ({}, set()))
+        self.last_settled_asked = self.proposal_caps.pop(step_id, 0)
         if self.config.async_scheduling:
             for req_id, (n, w) in step.items():
                 req = self.requests.get(req_id)
@@ -592,9 +595,7 @@ class Scheduler:
         """Drafts proposed after ``msg.step_id``. Anything that does not match the step and
         lengths we expect is discarded: the request simply runs without drafts (fail closed)."""
         stale_step = msg.step_id != self.last_done_step
-        asked = self.proposal_caps.pop(msg.step_id, 0)
-        for step_id in [s for s in self.proposal_caps if s < msg.step_id]:
-            del self.proposal_caps[step_id]  # steps whose drafts never came (refused, lost)
+        asked = self.last_settled_asked  # drafts of another step are stale: not counted below
         off = 0
         for i, req_id in enumerate(msg.req_ids):
             w = int(msg.num_draft_tokens[i])

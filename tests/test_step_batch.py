@@ -110,7 +110,7 @@ def test_the_array_check_agrees_with_the_request_at_a_time_one() -> None:
             return req_id in st.slot_of and req_id not in gone
 
         fault = _fault(trial)
-        fast = _layout_without_drafts(sched, st, counts, skip, accepted, gone, blocks)
+        fast = _layout_without_drafts(sched, st, counts, skip, accepted, running, blocks)
         try:
             slow = _layout_any(
                 sched,

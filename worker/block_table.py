@@ -17,12 +17,15 @@ table, which a CUDA graph indexes in place (a static buffer: it is never realloc
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import numpy as np
 import torch
 
 from worker.host_copy import to_device
 
 SCRATCH_BLOCK = 0
+Tokens = TypeVar("Tokens", int, np.ndarray)  # a token count, or an array of them
 
 
 class KVCacheFull(RuntimeError):
@@ -63,8 +66,8 @@ class BlockTable:
     def num_free(self) -> int:
         return len(self._free)
 
-    def blocks_for(self, num_tokens: int) -> int:
-        """Blocks that hold positions 0 .. num_tokens - 1."""
+    def blocks_for(self, num_tokens: Tokens) -> Tokens:
+        """Blocks that hold positions 0 .. num_tokens - 1 (of each, for an array)."""
         return -(-num_tokens // self.block_size)
 
     def needed(self, slot: int, num_tokens: int) -> int:

@@ -73,9 +73,13 @@ class EagleHead(nn.Module):
         **kwargs: Any,
     ) -> torch.Tensor:
         """token_embeds, target_hidden [B, T, H]; returns the predicted hidden states [B, T, H]."""
-        x = self.fc(torch.cat([token_embeds, target_hidden], dim=-1))
+        x = self.inputs(token_embeds, target_hidden)
         out = self.layers(inputs_embeds=x, position_ids=position_ids, use_cache=False, **kwargs)
         return out.last_hidden_state
+
+    def inputs(self, token_embeds: torch.Tensor, target_hidden: torch.Tensor) -> torch.Tensor:
+        """The layer's input: ``fc`` over each (token embedding, target hidden state) pair."""
+        return self.fc(torch.cat([token_embeds, target_hidden], dim=-1))
 
     def save(self, directory: str | Path) -> None:
         from safetensors.torch import save_file

@@ -29,7 +29,7 @@ from worker.model_executor import ModelExecutor
 from worker.rejection import VerifyInput, verify, verify_greedy
 from worker.requests import RequestStates, SamplingState, WorkerRequestError
 from worker.spec_utils import get_drafter_hidden_states
-from worker.step_batch import StepBatch, StepError, build_step_batch
+from worker.step_batch import StepBatch, StepError, build_step_batch, flat_ranges
 from worker.step_checks import StepLimits, check_bitmask, check_step
 
 
@@ -423,7 +423,7 @@ class ModelRunner:
             accepted = np.asarray(num_accepted, np.int64)
             length = st.num_tokens[slots]
             take = np.minimum(accepted + 1, st.max_model_len - length)
-            offsets = np.arange(int(take.sum())) - np.repeat(np.cumsum(take) - take, take)
+            offsets = flat_ranges(0, take)
             rows = np.repeat(np.arange(len(slots)), take)
             st.token_ids[np.repeat(slots, take), np.repeat(length, take) + offsets] = tokens[
                 rows, offsets
@@ -449,7 +449,7 @@ class ModelRunner:
         blocks = self.target.kv_cache.blocks
         slots = np.asarray(batch.slots, np.int64)
         computed = self.states.num_computed[slots]
-        over = -(-computed // blocks.block_size) < blocks.num_held[slots]
+        over = blocks.blocks_for(computed) < blocks.num_held[slots]
         for j in np.flatnonzero(over).tolist():
             self.target.kv_cache.trim(int(slots[j]), int(computed[j]))
 

@@ -18,6 +18,16 @@ from worker.host_copy import to_device
 from worker.requests import RequestStates
 
 
+def flat_ranges(starts: object, counts: object) -> np.ndarray:
+    """``starts[i] .. starts[i] + counts[i] - 1`` for each i, laid flat (int64): each request's
+    positions in a flat batch."""
+    c = np.asarray(counts, np.int64)
+    ends = np.cumsum(c)
+    return np.arange(int(ends[-1]) if len(ends) else 0) - np.repeat(
+        ends - c - np.asarray(starts, np.int64), c
+    )
+
+
 class StepError(ValueError):
     """The scheduler's step disagrees with the worker's state; nothing of the step was applied.
     ``field`` names the message field at fault (``WorkerError.field``)."""
@@ -131,11 +141,8 @@ def _build_any(
         # one index copy and one scatter for the whole batch.
         idx = to_device([own_flat, own_slot, own_col], device)  # [3, num_placeholders]
         input_ids[idx[0]] = st.draft_token_ids[idx[1], idx[2]]
-    # each request's positions start..start+n-1, laid flat: one arange less the offsets
-    counts_np = np.asarray(counts, np.int64)
-    ends = np.cumsum(counts_np)
-    shift = np.repeat(ends - counts_np - np.asarray(starts, np.int64), counts_np)
-    positions = to_device(np.arange(flat, dtype=np.int64) - shift, device)
+    positions = to_device(flat_ranges(starts, counts), device)
+    ends = np.cumsum(counts)
     kmax = max((widths[i] for i in sample_idx), default=0)
     drafts = torch.zeros((len(sample_idx), max(kmax, 1)), dtype=torch.long, device=device)
     # [S, K] drafts of the sampling requests, gathered from the flat input in one go
@@ -174,8 +181,7 @@ def _build_without_drafts(
     starts = st.num_computed[slots_np]
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
-    offsets = np.arange(total) - np.repeat(ends - counts, counts)
-    positions = np.repeat(starts, counts) + offsets
+    positions = flat_ranges(starts, counts)
     ids = st.token_ids[np.repeat(slots_np, counts), positions]
     sample = np.flatnonzero(starts + counts == st.num_tokens[slots_np])
     # ids, positions and the logit rows in one host-to-device copy

@@ -179,7 +179,7 @@ def check_step(
     # request at a time, which names what is wrong.
     layout = None
     if not widths.any():
-        layout = _layout_without_drafts(sched, states, counts, skip, accepted, gone, blocks)
+        layout = _layout_without_drafts(sched, states, counts, skip, accepted, running, blocks)
     if layout is not None:
         grow, rows_of, greedy = layout
     else:
@@ -199,24 +199,23 @@ def _layout_without_drafts(
     counts: np.ndarray,
     skip: set[str],
     accepted: dict[str, NewRequest],
-    gone: set[str],
+    running: Callable[[str], bool],
     blocks: BlockTable | None,
 ) -> tuple[int, dict[str, int], dict[str, bool]] | None:
     """``_layout_any``'s answer for a step that schedules no drafts, over the batch as arrays;
     None where any request breaks a rule (``_layout_any`` then names it)."""
-    slot_of = states.slot_of
-    running, new = [], []  # batch indices
+    old, new = [], []  # batch indices of running and new requests
     for i, req_id in enumerate(sched.req_ids):
         if req_id in skip:
             continue
         if req_id in accepted:
             new.append(i)
-        elif req_id in slot_of and req_id not in gone:
-            running.append(i)
+        elif running(req_id):
+            old.append(i)
         else:
             return None  # not running on this worker
-    n = counts[running].astype(np.int64)
-    slots = np.asarray([slot_of[sched.req_ids[i]] for i in running], np.int64)
+    n = counts[old].astype(np.int64)
+    slots = np.asarray([states.slot_of[sched.req_ids[i]] for i in old], np.int64)
     c, length = states.num_computed[slots], states.num_tokens[slots]
     new_n = counts[new].astype(np.int64)
     new_length = np.asarray(
@@ -229,13 +228,12 @@ def _layout_without_drafts(
         return None
     grow = 0
     if blocks is not None:
-        bs = blocks.block_size
-        grow = int(np.maximum(-(-(c + n) // bs) - blocks.num_held[slots], 0).sum())
-        grow += int((-(-new_n // bs)).sum())
+        grow = int(np.maximum(blocks.blocks_for(c + n) - blocks.num_held[slots], 0).sum())
+        grow += int(blocks.blocks_for(new_n).sum())
     rows_of: dict[str, int] = {}
     greedy: dict[str, bool] = {}
     for j in np.flatnonzero(c + n == length).tolist():
-        req_id = sched.req_ids[running[j]]
+        req_id = sched.req_ids[old[j]]
         rows_of[req_id] = 1
         greedy[req_id] = states.sampling[slots[j]].temperature == 0  # type: ignore[union-attr]
     for j in np.flatnonzero(new_n == new_length).tolist():

@@ -17,6 +17,7 @@ from worker.drafters.catch_up import executor_forward, forward_in_chunks
 from worker.host_copy import HostCopy, to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
+from worker.step_batch import flat_ranges
 
 
 class DraftModelDrafter(Drafter):
@@ -106,7 +107,7 @@ class DraftModelDrafter(Drafter):
         ids_np[ids_np >= ex.vocab_size] = 0
         input_ids = to_device(ids_np, device)
         positions = to_device(
-            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]),
+            flat_ranges(starts, counts),
             device,
         )
 

@@ -26,6 +26,7 @@ from worker.kv_cache import KVCache, draft_num_blocks
 from worker.model_executor import ModelExecutor
 from worker.paged_kernel import use_kernel
 from worker.requests import RequestStates
+from worker.step_batch import flat_ranges
 
 
 class EagleDrafter(Drafter):
@@ -182,13 +183,13 @@ class EagleDrafter(Drafter):
     ) -> torch.Tensor:
         """One head forward over a flat batch of pairs; the predicted hidden at ``last_rows``."""
         positions = to_device(
-            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]),
+            flat_ranges(starts, counts),
             self.device,
         )
         self.kv_cache.allocate(slots, [s + c for s, c in zip(starts, counts, strict=True)])
         meta = build_metadata(self.kv_cache, slots, starts, counts, self.device, kernel=self.kernel)
         if self.fused is not None:
-            x = self.head.fc(torch.cat([embeds, feats], dim=-1))  # [T, H]
+            x = self.head.inputs(embeds, feats)  # [T, H]
             return self.fused.forward_embeds(x, positions, meta)[last_rows]
         out = self.head(
             embeds[None],

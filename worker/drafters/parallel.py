@@ -20,6 +20,7 @@ from worker.host_copy import to_device
 from worker.model_executor import ModelExecutor
 from worker.requests import RequestStates
 from worker.spec_utils import get_parallel_drafting_token_id
+from worker.step_batch import flat_ranges
 
 
 class ParallelDrafter(Drafter):
@@ -93,7 +94,7 @@ class ParallelDrafter(Drafter):
         ids_np[ids_np >= ex.vocab_size] = 0
         input_ids = to_device(ids_np, device)
         positions = to_device(
-            np.concatenate([np.arange(s, s + c) for s, c in zip(starts, counts, strict=True)]),
+            flat_ranges(starts, counts),
             device,
         )
         step_slots = [slots[i] for i in active]
