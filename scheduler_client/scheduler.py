@@ -36,6 +36,16 @@ from scheduler_client.spec_tuner import SpeculationTuner
 from scheduler_client.stop_strings import StopStrings
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
+_PLACEHOLDERS = [np.full(n, -1, np.int32) for n in range(65)]  # shared, never written
+for _row in _PLACEHOLDERS:
+    _row.flags.writeable = False
+NO_DRAFTS = _PLACEHOLDERS[0]
+
+
+def placeholders(n: int) -> np.ndarray:
+    """``n`` draft placeholders (-1: the worker's own drafts), read-only; shared up to 64."""
+    return _PLACEHOLDERS[n] if n < len(_PLACEHOLDERS) else np.full(n, -1, np.int32)
+
 
 @dataclass(frozen=True, kw_only=True)
 class SchedulerConfig:
@@ -330,7 +340,7 @@ class Scheduler:
                     short = True
                     return False
                 w = min(w, blocks_room - 1)
-            put(req, 1, w, np.full(w, -1, np.int32), True)
+            put(req, 1, w, placeholders(w), True)
             if req.matcher is not None:
                 deferred.append(req.req_id)
             return True
@@ -502,23 +512,28 @@ class Scheduler:
         inflight = self._settle(out.step_id)
         done: list[Request] = []
         off = 0
+        # lists once: a numpy scalar read per request costs more than the whole conversion
+        sampled = out.sampled_token_ids.tolist()
+        num_sampled = out.num_sampled.tolist()
+        num_accepted = out.num_accepted.tolist()
+        num_drafts = out.num_draft_tokens.tolist()
         for i, req_id in enumerate(out.req_ids):
-            n = int(out.num_sampled[i])
-            tokens = out.sampled_token_ids[off : off + n].tolist()
+            n = num_sampled[i]
+            tokens = sampled[off : off + n]
             off += n
             req = self.requests.get(req_id)
             sched = inflight.get(req_id)
             if req is None or sched is None or req.finished:
                 continue
             scheduled, w = sched
-            accepted = int(out.num_accepted[i])
+            accepted = num_accepted[i]
             req.num_computed += scheduled - w + (accepted if n else 0)
-            req.draft_ids = np.zeros(0, np.int32)
+            req.draft_ids = NO_DRAFTS
             req.grammar_drafts = None
             req.last_drafts = None
             if not n:
                 continue
-            w = int(out.num_draft_tokens[i])
+            w = num_drafts[i]
             req.metrics.record_step(w, accepted, n)
             req.num_judged += min(w, accepted + 1)
             if self.tuner is not None:
@@ -597,9 +612,11 @@ class Scheduler:
         stale_step = msg.step_id != self.last_done_step
         asked = self.last_settled_asked  # drafts of another step are stale: not counted below
         off = 0
+        widths = msg.num_draft_tokens.tolist()
+        committed = msg.num_committed_tokens.tolist()
         for i, req_id in enumerate(msg.req_ids):
-            w = int(msg.num_draft_tokens[i])
-            ids = msg.draft_token_ids[off : off + w]
+            w = widths[i]
+            ids = msg.draft_token_ids[off : off + w] if w else NO_DRAFTS
             off += w
             req = self.requests.get(req_id)
             if req is None or req.finished:
@@ -607,9 +624,9 @@ class Scheduler:
             # a waiting request (requeued or preempted) has nothing on the worker: its drafts
             # are stale too, and it starts again without any
             waiting = req.status is not Status.RUNNING
-            if waiting or stale_step or int(msg.num_committed_tokens[i]) != req.num_tokens:
+            if waiting or stale_step or committed[i] != req.num_tokens:
                 req.metrics.num_stale += 1
-                req.draft_ids = np.zeros(0, np.int32)
+                req.draft_ids = NO_DRAFTS
                 req.last_drafts = None
                 continue
             want = (
@@ -626,20 +643,23 @@ class Scheduler:
 
     def _take_request_drafts(self, req: Request, ids: np.ndarray) -> None:
         """Grammar-validate one request's fresh drafts (``ids`` int32 [width])."""
+        req.last_drafts = ids
+        if req.matcher is None and not len(ids):
+            req.draft_ids = NO_DRAFTS  # nothing proposed, nothing to cap
+            return
         cap = min(
             req.num_speculative_tokens,
             req.sampling.max_tokens - len(req.output_ids) - 1,
             self.limits.max_model_len - req.num_tokens,
         )
         cap = max(cap, 0)
-        req.last_drafts = ids
         ids = ids[:cap]
         if req.matcher is None:
-            req.draft_ids = np.full(len(ids), -1, np.int32)
+            req.draft_ids = placeholders(len(ids))
             return
         if (ids < 0).any():
             req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
-            req.draft_ids = np.zeros(0, np.int32)
+            req.draft_ids = NO_DRAFTS
             return
         valid = req.matcher.validate(ids.tolist())
         req.metrics.num_grammar_invalid += len(ids) - valid
@@ -650,7 +670,7 @@ class Scheduler:
             req.metrics.num_forced += len(forced)
         req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
         # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
-        req.draft_ids = np.concatenate([np.full(valid, -1, np.int32), np.asarray(forced, np.int32)])
+        req.draft_ids = np.concatenate([placeholders(valid), np.asarray(forced, np.int32)])
 
 
 def _requeue(req: Request) -> None:
@@ -659,7 +679,7 @@ def _requeue(req: Request) -> None:
     req.status = Status.WAITING
     req.num_computed = 0
     req.sent_to_worker = False
-    req.draft_ids = np.zeros(0, np.int32)
+    req.draft_ids = NO_DRAFTS
     req.grammar_drafts = None
     _clear_inflight(req)
 
