@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from jinja2 import Template
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer
 
@@ -31,6 +32,7 @@ class TokenizerInfo:
         if (path / "chat_template.jinja").is_file():
             template = (path / "chat_template.jinja").read_text()
         self.chat_template: str | None = template if isinstance(template, str) else None
+        self._template: Template | None = None
         self.bos_token = _token_text(config.get("bos_token"))
         self.eos_token = _token_text(config.get("eos_token"))
 
@@ -46,10 +48,12 @@ class TokenizerInfo:
             raise ValueError(
                 f"the tokenizer in {self.directory} has no chat template: send a prompt"
             )
-        # Templates come with model files: render them sandboxed, as transformers does.
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise
-        return env.from_string(self.chat_template).render(
+        if self._template is None:  # compiled once: compiling costs milliseconds a request
+            # Templates come with model files: render them sandboxed, as transformers does.
+            env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise
+            self._template = env.from_string(self.chat_template)
+        return self._template.render(
             messages=messages,
             add_generation_prompt=True,
             bos_token=self.bos_token or "",
