@@ -52,6 +52,7 @@ from worker.runner import LaunchedStep, ModelRunner, StepError
 from worker.step_profiler import StepProfiler
 from worker.tensor_parallel import shard_model
 from worker.tp_group import BroadcastRunner, follow
+from worker.warm_up import warm_up
 
 log = logging.getLogger("specd.worker")
 
@@ -151,6 +152,11 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_model_len=cfg.max_model_len,
         max_num_draft_tokens=k,
     )
+    if cfg.tensor_parallel_size == 1:  # (ranks would each run it: their collectives must pair)
+        t1 = time.monotonic()
+        n = warm_up(runner, k, executor.vocab_size)
+        runner.num_steps = 0
+        log.info("warm-up: %d steps in %.1f s", n, time.monotonic() - t1)
     eos_ids = eos_token_ids(target.model)
     ready = WorkerReady(
         protocol_major=PROTOCOL_MAJOR,

@@ -1,0 +1,44 @@
+"""The worker's warm-up (worker/warm_up.py): its made-up requests run every drafter's path, drafts
+verified at batch 2 and 1, and leave nothing behind: the runner's greedy output after it is the
+target's own."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.drafting import KINDS, K, drafting_runner
+from tests.driver import Req, run
+from tests.models import VOCAB, greedy_reference
+from worker.warm_up import warm_up
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_warm_up_verifies_drafts_and_leaves_the_runner_empty(kind: str) -> None:
+    runner, ref = drafting_runner(kind, 31, max_num_seqs=3)
+    verified: list[tuple[int, int]] = []  # (batch, drafts) of each step the warm-up ran
+    launch = runner.launch
+
+    def counting(sched, *args, **kw):  # type: ignore[no-untyped-def]
+        verified.append((len(sched.req_ids), int(np.sum(sched.num_draft_tokens))))
+        return launch(sched, *args, **kw)
+
+    runner.launch = counting  # type: ignore[method-assign]
+    steps = warm_up(runner, K, VOCAB)
+    runner.launch = launch  # type: ignore[method-assign]
+    assert steps == len(verified) > 0
+    if kind != "none":
+        # drafts ran at both batch sizes (an n-gram lookup on random prompts may find none)
+        assert any(b == 2 and d for b, d in verified) or kind == "ngram", verified
+        assert any(b == 1 and d for b, d in verified) or kind == "ngram", verified
+    assert not runner.states.slot_of
+    blocks = runner.target.kv_cache.blocks
+    assert blocks.num_free == blocks.num_blocks
+    prompt = [5, 9, 2, 7, 5, 9, 2, 7, 5]
+    got = run(runner, [Req("r", prompt, 12, k=K)])
+    assert got["r"] == greedy_reference(ref, prompt, 12)
+
+
+def test_no_warm_up_where_two_requests_do_not_fit() -> None:
+    runner, _ = drafting_runner("ngram", 3, max_num_seqs=1)
+    assert warm_up(runner, K, VOCAB) == 0
