@@ -231,6 +231,7 @@ def step_stats(
     steps = delta(before, after, prefix + "step_seconds_count")
     seconds = delta(before, after, prefix + "step_seconds_sum")
     batch = delta(before, after, prefix + "batch_size_sum")
+    held = delta(before, after, prefix + "pipelined_steps_total")  # a worker's open steps
     return {
         "steps": int(steps),
         "step_ms": round(1000 * seconds / steps, 3) if steps else None,
@@ -238,6 +239,7 @@ def step_stats(
         "busy": round(seconds / wall_s, 3) if wall_s else None,
         "batch": round(batch / steps, 2) if steps and batch else None,
         "cpu_ms": round(1000 * cpu_s / steps, 3) if steps and cpu_s is not None else None,
+        "pipelined": round(held / steps, 3) if steps and held else None,
     }
 
 
