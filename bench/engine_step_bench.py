@@ -1,0 +1,85 @@
+"""The scheduler's CPU time a step on the served path: ``Engine`` driving a launched worker, 64
+requests running with more waiting, the mixed workload (JSON, regex and choice grammars among
+them), overlap scheduling. The worker serves a 2-layer random model (``--load-format dummy``) with
+SmolLM2's tokenizer, so its steps are short and the scheduler does a real model's bookkeeping
+(detokenization, grammar rows, drafts) on the CPU. Reports the engine process's CPU ms a step.
+
+    python bench/engine_step_bench.py [--drafter none|ngram] [--root DIR]
+
+``--root`` runs another checkout's code (scheduler and worker alike: a git worktree of an older
+commit), so two trees are compared in one run on one machine. Its figures are this process's CPU,
+not a served row's: the HTTP door, the client and the GPU are not in them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def tiny_model_dir(directory: Path) -> Path:
+    """bench/configs/llama-tiny with SmolLM2's vocabulary, tokenizer and chat template."""
+    from worker.model_loader import resolve_model_dir
+
+    _, smol = resolve_model_dir("embedded:smollm2")
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (Path(smol) / name).is_file():
+            shutil.copy(Path(smol) / name, directory / name)
+    config = json.loads((HERE / "configs" / "llama-tiny" / "config.json").read_text())
+    smol_config = json.loads((Path(smol) / "config.json").read_text())
+    for key in ("vocab_size", "bos_token_id", "eos_token_id"):
+        config[key] = smol_config[key]
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--root", default=str(HERE.parent))
+    ap.add_argument("--drafter", default="none", choices=("none", "ngram"))
+    ap.add_argument("--requests", type=int, default=192)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    a = ap.parse_args()
+    root = os.path.abspath(a.root)
+    sys.path.insert(0, root)
+    os.chdir(root)  # the worker starts as ``python -m worker.daemon`` from here
+    os.environ["PYTHONPATH"] = root + os.pathsep + os.environ.get("PYTHONPATH", "")
+    from scheduler_client import Engine, EngineConfig
+    from scheduler_client.bench_serve import load_workload
+    from scheduler_client.scheduler import SchedulerConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        config = EngineConfig(
+            model=str(tiny_model_dir(Path(tmp) / "m")),
+            device="cpu",
+            drafter=a.drafter,
+            max_model_len=1024,
+            worker_args=("--load-format", "dummy", "--max-num-seqs", "64"),
+            scheduler=SchedulerConfig(max_num_seqs=64, async_scheduling=True),
+        )
+        workload = load_workload(str(HERE / "workloads" / "mixed.jsonl"), a.requests)
+        with Engine(config) as engine:
+            engine.generate([dict(w, max_tokens=8, ignore_eos=True) for w in workload[:8]])
+            for w in workload:
+                engine.add_request(**dict(w, max_tokens=a.max_tokens, ignore_eos=True))
+            steps0, cpu0, t0 = engine.scheduler.step_id, time.process_time(), time.perf_counter()
+            engine.run_until_done()
+            cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
+            steps = engine.scheduler.step_id - steps0
+    print(
+        f"{a.drafter}: {steps} steps, scheduler CPU {cpu / steps * 1e3:.2f} ms a step "
+        f"(wall {wall / steps * 1e3:.2f} ms a step)"
+    )
+
+
+if __name__ == "__main__":
+    main()
