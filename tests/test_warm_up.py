@@ -42,3 +42,20 @@ def test_the_warm_up_verifies_drafts_and_leaves_the_runner_empty(kind: str) -> N
 def test_no_warm_up_where_two_requests_do_not_fit() -> None:
     runner, _ = drafting_runner("ngram", 3, max_num_seqs=1)
     assert warm_up(runner, K, VOCAB) == 0
+
+
+def test_the_warm_up_keeps_within_the_step_token_budget() -> None:
+    runner, _ = drafting_runner("draft_model", 5, max_num_seqs=3)
+    runs: list[int] = []
+    launch = runner.launch
+
+    def counting(sched, *args, **kw):  # type: ignore[no-untyped-def]
+        runs.append(int(np.sum(sched.num_scheduled_tokens)))
+        return launch(sched, *args, **kw)
+
+    runner.launch = counting  # type: ignore[method-assign]
+    runner.target.max_num_tokens = 12
+    assert warm_up(runner, K, VOCAB) > 0
+    assert max(runs) <= 12, runs
+    runner.target.max_num_tokens = 2 * (K + 1) - 1  # a batch-2 verify step would not fit
+    assert warm_up(runner, K, VOCAB) == 0

@@ -27,8 +27,9 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
     """Runs the made-up requests through ``runner``; returns the steps run. ``k``: the drafts a
     request asks for (0: none). A step id never reaches a scheduler: ids restart at 0 after."""
     room = runner.states.max_model_len - 2 * STEPS * (k + 1) - 2
-    lengths = [min(n, room) for n in PROMPT_LENGTHS]
-    if min(lengths) < 1 or runner.states.max_num_seqs < 2:
+    budget = runner.target.max_num_tokens  # the most tokens a step may run (the scheduler's too)
+    lengths = [min(n, room, budget // 2) for n in PROMPT_LENGTHS]
+    if min(lengths) < 1 or runner.states.max_num_seqs < 2 or budget < 2 * (k + 1):
         return 0
     rng = np.random.default_rng(0)
     ids = [f"warm-up-{j}" for j in range(len(lengths))]
