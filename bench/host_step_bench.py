@@ -6,7 +6,7 @@ in these figures).
 
 ``eagle0`` is a random EAGLE head with every proposal capped at zero, as the scheduler's tuner
 leaves a head that loses: the runner still stores the target's hidden states for it
-(``feed_hidden_states``). ``draft_model`` drafts 4 with a tiny random draft model.
+(``store_hidden_states``, ``feed_hidden_states``). ``draft_model`` drafts 4 with a tiny random draft model.
 
 54 requests start together, then one arrives about every 1.25 steps as others finish (64 output
 tokens each), so most steps carry a prefill beside ~54 decodes, as the served c=64 rows do.
@@ -84,7 +84,14 @@ def main() -> None:
         )
         for i in range(a.requests)
     ]
-    for name in ("update_requests", "commit", "propose_drafts", "feed_hidden_states", "output"):
+    for name in (
+        "update_requests",
+        "commit",
+        "propose_drafts",
+        "store_hidden_states",
+        "feed_hidden_states",
+        "output",
+    ):
         setattr(runner, name, timed(name, getattr(runner, name)))
     run(runner, reqs, max_steps=100_000)
     for name in spent:

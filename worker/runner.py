@@ -163,6 +163,9 @@ class ModelRunner:
                 batch.num_scheduled,
                 batch.logits_indices,
             )  # logits [num_logit_rows, vocab]
+            if self.drafter.needs_hidden_states:
+                # queued behind the forward now, not after the step's tokens reach the host
+                self.store_hidden_states(batch, hidden)
             apply_grammar(sched.grammar_bitmask, plan_grammar(sched, batch), logits)
             caps: dict[int, int] = {}
             if sched.deferred_req_ids:
@@ -189,7 +192,7 @@ class ModelRunner:
         step.num_sampled = self.commit(batch, tokens, num_accepted)
         step.tokens, step.num_accepted = tokens, num_accepted
         if self.drafter.needs_hidden_states:
-            self.feed_hidden_states(batch, hidden, num_accepted)
+            self.feed_hidden_states(batch, num_accepted)
         return step
 
     @torch.inference_mode()
@@ -263,7 +266,7 @@ class ModelRunner:
         step.num_sampled = num_sampled.tolist()
         step.num_accepted = np.zeros(len(batch.sample_idx), np.int64)
         if self.drafter.needs_hidden_states:
-            self.feed_hidden_states(batch, hidden, step.num_accepted)
+            self.feed_hidden_states(batch, step.num_accepted)
         self._open.append(step)
 
     def _fill_open_tokens(self, batch: StepBatch) -> None:
@@ -453,22 +456,21 @@ class ModelRunner:
         for j in np.flatnonzero(over).tolist():
             self.target.kv_cache.trim(int(slots[j]), int(computed[j]))
 
-    def feed_hidden_states(
-        self, batch: StepBatch, hidden: torch.Tensor, num_accepted: np.ndarray
-    ) -> None:
-        """The target's hidden states of every token the step ran go to the drafter, at their
-        KV-cache rows, with each request's committed length after the step (prefill tokens, the
-        last token and the accepted drafts count; a rejected draft's state is overwritten when its
-        position runs again, as its keys are)."""
-        valid = np.subtract(batch.num_scheduled, batch.num_drafts, dtype=np.int64)
-        valid[batch.sample_idx] += num_accepted
+    def store_hidden_states(self, batch: StepBatch, hidden: torch.Tensor) -> None:
+        """The target's hidden states of every token the forward ran go to the drafter, at their
+        KV-cache rows (a rejected draft's state is overwritten when its position runs again, as
+        its keys are). Device work only, queued right behind the forward."""
         total = sum(batch.num_scheduled)  # the forward's real tokens (padding after them)
         states = get_drafter_hidden_states(self.target.model, hidden)  # [num_tokens, H]
-        self.drafter.observe(
-            self.target.last_cache_rows()[:total],
-            states[:total],
-            np.asarray(batch.slots, np.int64),
-            np.asarray(batch.start_positions, np.int64) + valid,
+        self.drafter.observe(self.target.last_cache_rows()[:total], states[:total])
+
+    def feed_hidden_states(self, batch: StepBatch, num_accepted: np.ndarray) -> None:
+        """Each request's committed length after the step, whose positions' hidden states the
+        drafter now holds (prefill tokens, the last token and the accepted drafts count)."""
+        valid = np.subtract(batch.num_scheduled, batch.num_drafts, dtype=np.int64)
+        valid[batch.sample_idx] += num_accepted
+        self.drafter.committed(
+            np.asarray(batch.slots, np.int64), np.asarray(batch.start_positions, np.int64) + valid
         )
 
     def propose_drafts(

@@ -47,13 +47,18 @@ class Drafter(ABC):
         pass
 
     def observe(  # noqa: B027 - only drafters that read the target's hidden states
-        self, rows: torch.Tensor, hidden: torch.Tensor, slots: np.ndarray, lengths: np.ndarray
+        self, rows: torch.Tensor, hidden: torch.Tensor
     ) -> None:
         """The target's hidden states [N, H] of a forward's N tokens, each at ``rows`` [N] (on
-        the device): the flat KV-cache row where the token's keys went. After it the first
-        ``lengths[i]`` positions of ``slots[i]`` are committed, their hidden states given (a
-        rejected draft's row is written too, and rewritten when its position runs again, as
-        its keys are)."""
+        the device): the flat KV-cache row where the token's keys went. Called right after the
+        forward (a rejected draft's row is written too, and rewritten when its position runs
+        again, as its keys are)."""
+
+    def committed(  # noqa: B027 - only drafters that read the target's hidden states
+        self, slots: np.ndarray, lengths: np.ndarray
+    ) -> None:
+        """After the step's commit: the first ``lengths[i]`` positions of ``slots[i]`` are
+        committed, their hidden states given through ``observe``."""
 
 
 def choose_tokens(

@@ -163,13 +163,11 @@ class EagleDrafter(Drafter):
         self.num_computed[slot] = 0
         self.kv_cache.free(slot)
 
-    def observe(
-        self, rows: torch.Tensor, hidden: torch.Tensor, slots: np.ndarray, lengths: np.ndarray
-    ) -> None:
-        if not len(slots):
-            return
+    def observe(self, rows: torch.Tensor, hidden: torch.Tensor) -> None:
         # the feature store's rows are the target's cache rows: one scatter, no host indices
         self.features.index_copy_(0, rows, hidden.to(self.dtype))
+
+    def committed(self, slots: np.ndarray, lengths: np.ndarray) -> None:
         self.num_features[slots] = np.maximum(self.num_features[slots], lengths)
 
     def _run(
