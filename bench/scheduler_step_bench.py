@@ -77,14 +77,19 @@ for _ in range(N):
     step()
 print(f"per step (batch {B}): {(time.perf_counter() - t0) / N * 1e3:.2f} ms")
 
-# SpeculationTuner.choose at the same batch: five measured widths, random per-request histories
+# The tuner's two decisions a step (choose, then propose) at batch 1, 8 and 64: five measured
+# widths, random per-request histories and hit rates
 from scheduler_client.spec_tuner import SpeculationTuner  # noqa: E402
 
-tuner = SpeculationTuner(4)
-for w in range(1, 6):
-    tuner.observe_step(B, w, 0.0075 + 0.0006 * w)
-alphas = [tuner.alpha(int(rng.integers(0, 200)), int(rng.integers(0, 100))) for _ in range(B)]
-t0 = time.perf_counter()
-for _ in range(2000):
-    tuner.choose(alphas, [4] * B)
-print(f"SpeculationTuner.choose (batch {B}): {(time.perf_counter() - t0) / 2000 * 1e6:.1f} us")
+for b in (1, 8, B):
+    tuner = SpeculationTuner(4)
+    for w in range(1, 6):
+        tuner.observe_step(b, w, 0.0075 + 0.0006 * w)
+    alphas = [tuner.alpha(int(rng.integers(0, 200)), int(rng.integers(0, 100))) for _ in range(b)]
+    hits = rng.random(b).tolist()
+    t0 = time.perf_counter()
+    for _ in range(2000):
+        tuner.choose(alphas, [4] * b, hits)
+        tuner.propose(alphas, [4] * b, hits)
+    dt = (time.perf_counter() - t0) / 2000
+    print(f"SpeculationTuner.choose + propose (batch {b}): {dt * 1e6:.1f} us")

@@ -47,6 +47,7 @@ MAX_EXPLORE_EVERY = 1024  # ... after re-measurements that kept confirming the c
 EXPLORE_SHARE = 0.01  # the most of the time re-measurements may cost (waits up to ...)
 MAX_EXPLORE_WAIT = 4096  # ... this many decisions)
 REMEASURE = 0.5  # weight of a re-measured step in its width's time
+SMALL_BATCH = 8  # up to this many requests, the goodput sums run as a Python loop
 SURPRISE = 0.1  # a re-measurement that moved its width's time by more than this share ...
 # ... starts the waits over at EXPLORE_EVERY, as a changed choice does
 
@@ -108,23 +109,33 @@ class _Bucket:
     explore_top: bool = False  # the last re-measurement was of the drafting end
     repeat: bool = False  # ... and it moved that end's time: measure the same end next
 
+    _seconds: dict[int, float] | None = None  # ``seconds`` until a fit changes
+
     def observe(self, width: int, prefill: float, seconds: float) -> None:
         # a re-measurement is one step of a width seen rarely: it weighs half, so a cost that
         # changed is followed within a few re-measurements
         remeasured = self.explored_from >= 0 and width == self.explored_width
         self.fits.setdefault(width, _Fit()).add(prefill, seconds, REMEASURE if remeasured else EMA)
+        self._seconds = None
+
+    def set_fit(self, width: int, fit: _Fit) -> None:
+        self.fits[width] = fit
+        self._seconds = None
 
     @property
     def seconds(self) -> dict[int, float]:
         """Width -> the decode part of its step time (at no prefill). The time a prefill token
         costs is one slope for the bucket, pooled over the widths' own spreads (the width in use
         has many samples; the other end, re-measured now and then, few), and at most what leaves
-        each width a hundredth of its mean time."""
-        fits = self.fits.values()
-        spread = sum(f.var() for f in fits)
-        slope = max(sum(f.cov() for f in fits) / spread, 0.0) if spread > 1.0 else 0.0
-        slope = min([slope, *(0.99 * f.t / f.p for f in fits if f.p > 0)])
-        return {w: max(f.t - slope * f.p, 1e-9) for w, f in self.fits.items()}
+        each width a hundredth of its mean time. Computed once per change of the fits (both
+        decisions of a step read it): read-only."""
+        if self._seconds is None:
+            fits = self.fits.values()
+            spread = sum(f.var() for f in fits)
+            slope = max(sum(f.cov() for f in fits) / spread, 0.0) if spread > 1.0 else 0.0
+            slope = min([slope, *(0.99 * f.t / f.p for f in fits if f.p > 0)])
+            self._seconds = {w: max(f.t - slope * f.p, 1e-9) for w, f in self.fits.items()}
+        return self._seconds
 
 
 class SpeculationTuner:
@@ -250,7 +261,7 @@ class SpeculationTuner:
         if not near:
             return
         times = self._buckets[near[0][1]].seconds
-        bucket.fits[width] = _Fit(t=bucket.seconds[1] * times[width] / times[1])
+        bucket.set_fit(width, _Fit(t=bucket.seconds[1] * times[width] / times[1]))
 
     def choose(
         self, alphas: Sequence[float], caps: Sequence[int], hits: Sequence[float] | None = None
@@ -286,9 +297,19 @@ class SpeculationTuner:
         hits: Sequence[float] | None = None,
     ) -> list[float]:
         """Expected tokens per second of each K in 0..top."""
-        # gain[k] = sum over requests of 1 + hit * (expected_tokens(alpha, min(k, cap)) - 1),
-        # for every k at once (a request the drafter finds nothing for yields its one token;
-        # a Python double loop cost 0.22 ms a step at batch 64: bench/scheduler_step_bench.py)
+        # gain[k] = sum over requests of 1 + hit * (expected_tokens(alpha, min(k, cap)) - 1)
+        # (a request the drafter finds nothing for yields its one token)
+        if len(alphas) <= SMALL_BATCH:  # numpy's per-call cost outweighs a few requests' loop
+            sums = [float(len(alphas))] * (top + 1)
+            for j, (alpha, cap) in enumerate(zip(alphas, caps, strict=True)):
+                p = min(float(alpha), 1.0 - 1e-9)
+                hit = 1.0 if hits is None else min(max(float(hits[j]), 0.0), 1.0)
+                for k in range(1, top + 1):
+                    kk = min(k, int(cap))
+                    sums[k] += hit * ((1.0 - p ** (kk + 1)) / (1.0 - p) - 1.0)
+            return [sums[k] / self._time(known, 1 + k) for k in range(top + 1)]
+        # for every k at once (a Python double loop cost 0.22 ms a step at batch 64:
+        # bench/scheduler_step_bench.py)
         a = np.minimum(np.asarray(alphas, np.float64), 1.0 - 1e-9)
         ks = np.minimum(np.arange(top + 1)[:, None], np.asarray(caps)[None, :])  # [K + 1, B]
         extra = (1.0 - a ** (ks + 1)) / (1.0 - a) - 1.0

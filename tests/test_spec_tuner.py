@@ -440,3 +440,41 @@ def test_the_scheduler_learns_each_requests_draft_hit_rate() -> None:
         s.requests["hit"].draft_ids = s.requests["miss"].draft_ids = np.zeros(0, np.int32)
     assert s.requests["hit"].draft_hits == 1.0
     assert s.requests["miss"].draft_hits < 0.2
+
+
+def test_small_batches_rate_widths_as_the_array_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Up to SMALL_BATCH requests the goodput sums run as a Python loop: the same rates as the
+    numpy path, for any alphas, caps and hit rates."""
+    import scheduler_client.spec_tuner as spec_tuner
+
+    tuner = SpeculationTuner(4)
+    rng = random.Random(3)
+    for b in range(1, spec_tuner.SMALL_BATCH + 1):
+        for _ in range(20):
+            known = {
+                1: rng.uniform(1e-3, 5e-3),
+                3: rng.uniform(2e-3, 8e-3),
+                5: rng.uniform(3e-3, 9e-3),
+            }
+            alphas = [rng.choice([0.0, 1.0, rng.random()]) for _ in range(b)]
+            caps = [rng.randint(0, 4) for _ in range(b)]
+            hits = [rng.uniform(-0.5, 1.5) for _ in range(b)] if rng.random() < 0.7 else None
+            loop = tuner._rates(known, alphas, caps, 4, hits)
+            monkeypatch.setattr(spec_tuner, "SMALL_BATCH", 0)
+            array = tuner._rates(known, alphas, caps, 4, hits)
+            monkeypatch.setattr(spec_tuner, "SMALL_BATCH", 8)
+            assert loop == pytest.approx(array, rel=1e-9)
+
+
+def test_a_buckets_times_follow_every_new_step() -> None:
+    """The per-width times are computed once per change of the fits: a new step moves them."""
+    tuner = SpeculationTuner(4)
+    for _ in range(3):
+        tuner.observe_step(1, 1, 0.002)
+        tuner.observe_step(1, 5, 0.004)
+    bucket = tuner._buckets[1]
+    before = dict(bucket.seconds)
+    assert bucket.seconds is bucket.seconds  # cached between changes
+    tuner.observe_step(1, 5, 0.010)
+    assert bucket.seconds[5] > before[5]
+    assert bucket.seconds[1] == pytest.approx(before[1])
