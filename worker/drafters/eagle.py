@@ -180,12 +180,14 @@ class EagleDrafter(Drafter):
         last_rows: torch.Tensor,
     ) -> torch.Tensor:
         """One head forward over a flat batch of pairs; the predicted hidden at ``last_rows``."""
-        positions = to_device(
-            flat_ranges(starts, counts),
-            self.device,
-        )
         self.kv_cache.allocate(slots, [s + c for s, c in zip(starts, counts, strict=True)])
         meta = build_metadata(self.kv_cache, slots, starts, counts, self.device, kernel=self.kernel)
+        # the kernel's metadata already holds every token's position on the device
+        positions = (
+            meta.positions
+            if meta.positions is not None
+            else to_device(flat_ranges(starts, counts), self.device)
+        )
         if self.fused is not None:
             x = self.head.inputs(embeds, feats)  # [T, H]
             return self.fused.forward_embeds(x, positions, meta)[last_rows]
@@ -265,18 +267,20 @@ class EagleDrafter(Drafter):
             keep = [n for n, i in enumerate(active) if widths[i] > j + 1]
             if not keep:
                 break
-            idx = to_device(keep, device)
-            active = [active[n] for n in keep]
-            run_slots = [run_slots[n] for n in keep]
-            positions = [positions[n] + (1 if j else 0) for n in keep]
-            rows = rows[idx]
+            if len(keep) < len(active):  # some requests stop here (a narrower width)
+                idx = to_device(keep, device)
+                rows, tokens, hidden = rows[idx], tokens[idx], hidden[idx]
+                active = [active[n] for n in keep]
+                run_slots = [run_slots[n] for n in keep]
+                positions = [positions[n] for n in keep]
+            positions = [p + (1 if j else 0) for p in positions]
             # the next pair: (predicted hidden, the draft just chosen) one position further on
             hidden = self._run(
                 run_slots,
                 positions,
                 [1] * len(run_slots),
-                self.embed(tokens[idx]),
-                hidden[idx],
+                self.embed(tokens),
+                hidden,
                 torch.arange(len(run_slots), device=device),
             )
         return Proposal(out, list(widths), probs)
