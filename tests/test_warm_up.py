@@ -27,6 +27,7 @@ def test_the_warm_up_verifies_drafts_and_leaves_the_runner_empty(kind: str) -> N
     steps = warm_up(runner, K, VOCAB)
     runner.launch = launch  # type: ignore[method-assign]
     assert steps == len(verified) > 0
+    assert runner.num_steps == 0
     if kind != "none":
         # drafts ran at both batch sizes (an n-gram lookup on random prompts may find none)
         assert any(b == 2 and d for b, d in verified) or kind == "ngram", verified

@@ -155,7 +155,6 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
     if cfg.tensor_parallel_size == 1:  # (ranks would each run it: their collectives must pair)
         t1 = time.monotonic()
         n = warm_up(runner, k, executor.vocab_size)
-        runner.num_steps = 0
         log.info("warm-up: %d steps in %.1f s", n, time.monotonic() - t1)
     eos_ids = eos_token_ids(target.model)
     ready = WorkerReady(

@@ -67,7 +67,7 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
             structured_req_ids=[],
         )
         step_id += 1
-        runner.finish(runner.launch(sched))
+        runner.execute(sched)
         msg: DraftTokenIds | None = runner.take_draft_tokens()
         for r in req_ids:
             widths[r] = 0
@@ -81,4 +81,5 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
     for j in range(STEPS):
         step(ids[:1], [1], (), ids[1:] if j == 0 else ())
     step([], [], (), ids[:1])
+    runner.num_steps = 0  # the steps a scheduler sees are counted from here
     return step_id
