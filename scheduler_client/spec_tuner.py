@@ -206,9 +206,10 @@ class SpeculationTuner:
             if width not in known:
                 bucket.hold = self._verify = width - 1
                 return width - 1
-        best_k = self._best(self._rates(known, alphas, caps, top, hits))
+        rates = self._rates(known, alphas, caps, top, hits)
+        best_k = self._best(rates)
         if bucket.next_explore < 0:  # both ends just measured
-            wait = max(bucket.explore_every, self._explore_wait(bucket, alphas, caps, top, hits))
+            wait = max(bucket.explore_every, self._explore_wait(bucket, rates))
             bucket.next_explore = bucket.decisions + wait
         if bucket.explored_from >= 0:
             fit = bucket.fits.get(bucket.explored_width)
@@ -228,7 +229,7 @@ class SpeculationTuner:
             if bucket.explored_from < 0:
                 wait = bucket.explore_every
                 if wait > EXPLORE_EVERY:  # confirmed: no sooner than its cost allows
-                    wait = max(wait, self._explore_wait(bucket, alphas, caps, top, hits))
+                    wait = max(wait, self._explore_wait(bucket, rates))
                 bucket.next_explore = bucket.explored_at + wait
         elif bucket.decisions >= bucket.next_explore:  # refresh an end we are not using
             # from a width in between, the two ends by turns (the widths between are timed only
@@ -318,23 +319,16 @@ class SpeculationTuner:
         gains = (1.0 + extra).sum(axis=1)
         return [float(gains[k]) / self._time(known, 1 + k) for k in range(top + 1)]
 
-    def _explore_wait(
-        self,
-        bucket: _Bucket,
-        alphas: Sequence[float],
-        caps: Sequence[int],
-        top: int,
-        hits: Sequence[float] | None = None,
-    ) -> int:
+    def _explore_wait(self, bucket: _Bucket, rates: list[float]) -> int:
         """Decisions between re-measurements so that they cost at most EXPLORE_SHARE of the
         time: a re-measurement runs two steps at the other end, each losing what the best width
         would have made in its time (a losing draft model at batch 64: a step 8 times as long
         at 0.4 of the rate, 9 steps' worth). Until the other end has several samples the wait is
         at most EXPLORE_EVERY * 4^(samples - 1): one step slowed by a busy host must not keep a
-        drafter that pays off for thousands of steps."""
+        drafter that pays off for thousands of steps. ``rates``: ``_rates`` of this decision."""
         known = bucket.seconds
-        rates = self._rates(known, alphas, caps, top, hits)
         best_k = self._best(rates)
+        top = len(rates) - 1
         other = top if best_k == 0 else 0
         longer = self._time(known, 1 + other) / self._time(known, 1 + best_k)
         loss = 2.0 * longer * max(1.0 - rates[other] / max(rates[best_k], 1e-30), 0.0)

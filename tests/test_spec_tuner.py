@@ -140,9 +140,9 @@ def test_re_measurements_that_confirm_the_choice_come_less_often() -> None:
     bucket = tuner._buckets[1]
     # width 5 takes 3 steps' time at 1.65 / 3 of the rate: 2 * 3 * 0.45 = 2.7 steps lost,
     # 270 decisions' wait; with one sample of it, 64
-    assert tuner._explore_wait(bucket, [0.4], [4], 4) == EXPLORE_EVERY
+    assert tuner._explore_wait(bucket, tuner._rates(bucket.seconds, [0.4], [4], 4)) == EXPLORE_EVERY
     bucket.fits[5].n = 3
-    assert tuner._explore_wait(bucket, [0.4], [4], 4) == 270
+    assert tuner._explore_wait(bucket, tuner._rates(bucket.seconds, [0.4], [4], 4)) == 270
     bucket.fits[5].n = 1
     seen = [step for step, _ in explorations(tuner, flat, 0.4, 8000, draft_cost=0.5)]
     gaps = np.diff(seen).tolist()
@@ -171,7 +171,9 @@ def test_a_drafter_that_loses_badly_is_re_measured_rarely() -> None:
     settle(tuner, 64, flat, 0.4, draft_cost=5.0)
     bucket = tuner._buckets[64]
     bucket.fits[5].n = 7  # measured often enough to be trusted
-    assert tuner._explore_wait(bucket, [0.4] * 64, [4] * 64, 4) == 3870
+    assert (
+        tuner._explore_wait(bucket, tuner._rates(bucket.seconds, [0.4] * 64, [4] * 64, 4)) == 3870
+    )
 
 
 def with_arrivals(
