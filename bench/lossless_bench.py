@@ -97,6 +97,7 @@ def make_drafter(
             max_num_seqs=batch,
             max_model_len=MAX_LEN,
             max_num_tokens=k,
+            cuda_graphs=graphs,
         )
     if name == "draft_model":
         from worker.drafters.draft_model import DraftModelDrafter
@@ -324,7 +325,7 @@ def main() -> None:
         if args.eagle_head:
             configs += [("eagle", args.k), ("eagle+adaptive", args.k)]
         for name, k in configs:
-            drafter = make_drafter(name, k, model, batch, args.eagle_head)
+            drafter = make_drafter(name, k, model, batch, args.eagle_head, None, mode, graphs)
             runner = make_runner(model, drafter, k, batch, mode, graphs, args.compile)
             tuner = SpeculationTuner(k) if name.endswith("adaptive") else None
             parts = [decode(runner, g, args.max_tokens, k, tuner, stop_ids) for g in groups]

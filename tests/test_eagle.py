@@ -3,6 +3,7 @@ and a head shaped for SmolLM2 fits the 16 MiB budget."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -284,3 +285,93 @@ def test_worker_daemon_serves_an_eagle_head(tmp_path: Path) -> None:
             if drafter == "eagle":
                 assert e.scheduler.metrics.num_draft_tokens > 0
     assert outs[0] == outs[1]
+
+
+Log = list[tuple[list[int], list[list[int]]]]
+
+
+def drafting_logs(device: str, modes: list[tuple[bool, bool]]) -> list[Log]:
+    """Each proposal (widths, drafts) of a run with the EAGLE drafter in each (dense, CUDA
+    graphs) mode, same target, same head weights: requests of different widths, a chunked
+    prefill, backlogs longer than the dense layout's width (every new prompt), verify caps, and
+    scheduler-supplied drafts that are all accepted (catch-ups of k + 1 pairs). Every run's
+    output is checked against target-only greedy."""
+    target = tiny_model("llama", seed=44)
+    ref = reference_copy(target).eval()
+    target = target.to(torch.device(device))
+    prompts = [[5, 6, 7, 5, 6, 7, 5], [9, 10, 11, 12, 13, 14, 15, 16, 17], [3, 4, 3, 4, 3]]
+    refs = [greedy_reference(ref, p, 30) for p in prompts]
+
+    def oracle(i: int) -> Callable[[list[int], int], list[int]]:
+        """The target's own continuation: every draft accepted."""
+
+        def drafts(committed: list[int], width: int) -> list[int]:
+            full = prompts[i] + refs[i]
+            return full[len(committed) : len(committed) + width]
+
+        return drafts
+
+    logs: list[Log] = []
+    for dense, graphs in modes:
+        drafter = EagleDrafter(
+            random_head(target, 3).to(target.device),
+            target,
+            vocab_size=VOCAB,
+            max_num_seqs=4,
+            max_model_len=256,
+            max_num_tokens=K,
+            dense=dense,
+            cuda_graphs=graphs,
+        )
+        runner = ModelRunner(
+            ModelExecutor(
+                target, max_num_seqs=4, max_model_len=256, decode_width=1 + K, cuda_graphs=graphs
+            ),
+            drafter,
+            max_num_seqs=4,
+            max_model_len=256,
+            max_num_draft_tokens=K,
+        )
+        log: Log = []
+
+        def record(
+            states: RequestStates,
+            slots: list[int],
+            widths: list[int],
+            log: Log = log,
+            propose: Callable[..., Proposal] = drafter.propose,
+        ) -> Proposal:
+            p = propose(states, slots, widths)
+            log.append((list(widths), [p.token_ids[j, :w].tolist() for j, w in enumerate(widths)]))
+            return p
+
+        drafter.propose = record  # type: ignore[method-assign]
+        reqs = [
+            Req("r0", prompts[0], 30, k=K, verify_caps=(4, 1, 0, 2)),
+            Req("r1", prompts[1], 30, k=2, arrive=1, chunk=4, supplied_drafts=oracle(1)),
+            Req("r2", prompts[2], 30, k=K, arrive=2, supplied_drafts=oracle(2)),
+        ]
+        got = run(runner, reqs)
+        for r, want in zip(reqs, refs, strict=True):
+            assert got[r.req_id] == want, (dense, graphs, r.req_id)
+        assert reqs[2].accepted > 10  # catch-ups of k + 1 pairs ran
+        found = drafter._graphs
+        assert (found is not None) == dense
+        if found is not None:
+            assert found.num_runs > 10
+            assert (found.num_captured > 0) == (graphs and device == "cuda")
+        logs.append(log)
+    return logs
+
+
+@pytest.mark.parametrize("backend", ["sdpa", pytest.param("triton", marks=pytest.mark.triton)])
+def test_the_dense_drafting_layout_proposes_what_the_ragged_one_does(
+    backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Greedy drafting in the padded layout that CUDA graphs replay (``eagle_graphs.py``: every
+    request padded to k + 1 catch-up pairs, the batch to its bucket, K argmax forwards) proposes
+    exactly the ragged path's drafts, step by step, on the CPU in float32, through the portable
+    attention and the paged kernel's metadata (in triton's interpreter)."""
+    monkeypatch.setenv("SPECD_ATTENTION_BACKEND", backend)
+    ragged, dense = drafting_logs("cpu", [(False, False), (True, False)])
+    assert ragged == dense

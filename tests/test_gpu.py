@@ -131,3 +131,14 @@ def test_cuda_fp32_long_contexts_replay_the_graphs_captured_before_the_first_req
         assert got[r.req_id] == greedy_reference(ref, r.prompt, r.max_tokens)
     assert executor.decode.num_forwards > 0
     assert executor.decode.num_captured == captured, "a long context captured a new graph"
+
+
+def test_cuda_fp32_eagle_drafting_graphs_replay_what_runs_eagerly() -> None:
+    """The EAGLE head's drafting graphs (eagle_graphs.py) propose the drafts the same padded
+    layout proposes run eagerly, step by step, and the output is target-only greedy."""
+    from tests.test_eagle import drafting_logs
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    replayed, eager = drafting_logs("cuda", [(True, True), (True, False)])
+    assert replayed == eager

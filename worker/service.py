@@ -135,6 +135,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
             max_num_seqs=cfg.max_num_seqs,
             max_model_len=cfg.max_model_len,
             max_num_tokens=k,
+            cuda_graphs=not cfg.enforce_eager and cfg.tensor_parallel_size == 1,
         )
     executor = executor_for(target.model, target_blocks)
     if executor.decode.use_graphs:
@@ -152,6 +153,10 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_model_len=cfg.max_model_len,
         max_num_draft_tokens=k,
     )
+    if isinstance(drafter, EagleDrafter) and executor.decode.use_graphs:
+        t1 = time.monotonic()  # (the head's graphs need its cache, made when the runner binds it)
+        n = drafter.capture_all()
+        log.info("captured %d EAGLE drafting graphs in %.1f s", n, time.monotonic() - t1)
     if cfg.tensor_parallel_size == 1:  # (ranks would each run it: their collectives must pair)
         t1 = time.monotonic()
         n = warm_up(runner, k, executor.vocab_size)

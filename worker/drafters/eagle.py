@@ -8,6 +8,9 @@ the worker's token budget, for every request at once), whose output predicts f_{
 the target's LM head, draft 1. Each further draft feeds back (predicted hidden, previous draft).
 Draft pairs sit past the committed pairs in the head's cache and are dropped by keeping its length
 at L-1. The head's cache and the store of f_t are paged like the target's (``bind``).
+
+Greedy drafting runs as one padded layout (``eagle_graphs.py``), replayed from a CUDA graph on
+GPU; requests that sample, and catch-ups longer than k + 1 pairs, run the ragged path here.
 """
 
 from __future__ import annotations
@@ -15,10 +18,16 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.attention import ATTN_IMPLEMENTATION, build_metadata
+from worker.attention import (
+    ATTN_IMPLEMENTATION,
+    PagedMetadata,
+    build_dense_metadata,
+    build_metadata,
+)
 from worker.block_table import BlockTable
 from worker.drafters.base import Drafter, Proposal, choose_tokens
 from worker.drafters.catch_up import forward_in_chunks
+from worker.drafters.eagle_graphs import EagleGraphs
 from worker.eagle_head import EagleHead
 from worker.fused_layers import FusedDecoder
 from worker.host_copy import to_device
@@ -43,10 +52,14 @@ class EagleDrafter(Drafter):
         max_model_len: int,
         max_num_tokens: int,
         max_num_batched_tokens: int | None = None,
+        dense: bool | None = None,
+        cuda_graphs: bool = True,
     ) -> None:
         """``max_num_tokens``: the most drafts a request proposes; ``max_num_batched_tokens``:
         the most pairs one catch-up forward of the head runs (None: the target's token budget,
-        its executor's ``max_num_tokens``)."""
+        its executor's ``max_num_tokens``). ``dense``: greedy drafting in the padded layout of
+        ``eagle_graphs.py`` (None: on CUDA), replayed from CUDA graphs unless ``cuda_graphs``
+        is False."""
         cfg = head.config
         param = next(head.parameters())
         self.head = head
@@ -72,6 +85,9 @@ class EagleDrafter(Drafter):
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         # the head's one layer through the fused forward (fused_layers.py) where it applies
         self.fused = FusedDecoder.for_model(head.layers, compiled=False)
+        self.dense = self.device.type == "cuda" if dense is None else dense
+        self.cuda_graphs = cuda_graphs
+        self._graphs: EagleGraphs | None = None  # made in ``bind`` (it needs the head's cache)
 
     def bind(self, target: ModelExecutor) -> None:
         """The feature store pages through the target's block table: one row per row of the
@@ -112,6 +128,19 @@ class EagleDrafter(Drafter):
                 self.max_num_tokens,
             ),
         )
+        if self.dense and self.max_num_tokens:
+            self._graphs = EagleGraphs(
+                self._dense_drafts,
+                self._kv_cache,
+                width=self.max_num_tokens + 1,
+                max_drafts=self.max_num_tokens,
+                device=self.device,
+                use_graphs=self.cuda_graphs,
+            )
+
+    def capture_all(self) -> int:
+        """Capture every drafting graph now (the service does, before the first request)."""
+        return self._graphs.capture_all() if self._graphs is not None else 0
 
     @property
     def kv_cache(self) -> KVCache:
@@ -139,6 +168,7 @@ class EagleDrafter(Drafter):
         max_model_len: int,
         max_num_tokens: int,
         max_num_batched_tokens: int | None = None,
+        cuda_graphs: bool = True,
     ) -> EagleDrafter:
         """The head in ``head_dir`` (or ``"embedded"``), on the target's device and dtype."""
         param = next(target.parameters())
@@ -156,6 +186,7 @@ class EagleDrafter(Drafter):
             max_model_len=max_model_len,
             max_num_tokens=max_num_tokens,
             max_num_batched_tokens=max_num_batched_tokens,
+            cuda_graphs=cuda_graphs,
         )
 
     def remove(self, slot: int) -> None:
@@ -169,6 +200,25 @@ class EagleDrafter(Drafter):
 
     def committed(self, slots: np.ndarray, lengths: np.ndarray) -> None:
         self.num_features[slots] = np.maximum(self.num_features[slots], lengths)
+
+    def _forward(
+        self,
+        embeds: torch.Tensor,
+        feats: torch.Tensor,
+        positions: torch.Tensor,
+        meta: PagedMetadata,
+    ) -> torch.Tensor:
+        """The head over flat pairs: embeddings and features [T, H], positions [T] -> [T, H]."""
+        if self.fused is not None:
+            return self.fused.forward_embeds(self.head.inputs(embeds, feats), positions, meta)
+        out = self.head(
+            embeds[None],
+            feats[None],
+            positions[None],
+            attention_mask=self._placeholder_mask,
+            specd_meta=meta,
+        )  # [1, T, H]
+        return out[0]
 
     def _run(
         self,
@@ -188,17 +238,105 @@ class EagleDrafter(Drafter):
             if meta.positions is not None
             else to_device(flat_ranges(starts, counts), self.device)
         )
-        if self.fused is not None:
-            x = self.head.inputs(embeds, feats)  # [T, H]
-            return self.fused.forward_embeds(x, positions, meta)[last_rows]
-        out = self.head(
-            embeds[None],
-            feats[None],
-            positions[None],
-            attention_mask=self._placeholder_mask,
-            specd_meta=meta,
-        )  # [1, T, H]
-        return out[0, last_rows]
+        return self._forward(embeds, feats, positions, meta)[last_rows]
+
+    def _dense_drafts(
+        self,
+        tokens: torch.Tensor,
+        feature_rows: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        slot_idx: torch.Tensor,
+        last: torch.Tensor,
+        draft_positions: torch.Tensor,
+        draft_slot_mapping: torch.Tensor,
+        num_reqs: int,
+        width: int,
+        num_drafts: int,
+    ) -> torch.Tensor:
+        """``EagleGraphs``' body: every tensor is a static buffer (graph-safe). The catch-up of
+        ``num_reqs`` requests of ``width`` pairs, then ``num_drafts`` argmax drafts each:
+        [num_reqs, num_drafts]."""
+
+        def meta(pos: torch.Tensor, rows: torch.Tensor, w: int) -> PagedMetadata:
+            return build_dense_metadata(
+                self.kv_cache,
+                pos,
+                rows,
+                slot_idx,
+                num_reqs=num_reqs,
+                width=w,
+                max_len=self.max_model_len,
+                query_rows=0,
+                fp32=False,
+                kernel=self.kernel,
+            )
+
+        hidden = self._forward(
+            self.embed(tokens),
+            self.features[feature_rows],
+            positions,
+            meta(positions, slot_mapping, width),
+        )[last]  # [B, H]
+        drafts = []
+        for j in range(num_drafts):
+            picked = self.lm_head(hidden).float()[:, : self.vocab_size].argmax(-1)  # [B]
+            drafts.append(picked)
+            if j + 1 < num_drafts:
+                rows = slice(j * num_reqs, (j + 1) * num_reqs)
+                pos = draft_positions[rows]
+                hidden = self._forward(
+                    self.embed(picked), hidden, pos, meta(pos, draft_slot_mapping[rows], 1)
+                )
+        return torch.stack(drafts, dim=1)
+
+    def _pairs(
+        self, states: RequestStates, slots: np.ndarray, starts: np.ndarray, counts: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The pairs (f_t, x_{t+1}) for t = starts[i] .. starts[i] + counts[i] - 1, flat and
+        request-major: x_{t+1} [T] and the feature store's rows of f_t [T]."""
+        assert self._target_blocks is not None, "EagleDrafter.bind(target) first"
+        owner = np.repeat(slots, counts)
+        t = flat_ranges(starts, counts)
+        return states.token_ids[owner, t + 1].astype(np.int64), self._target_blocks.cache_rows(
+            owner, t
+        )
+
+    def _catch_up(
+        self,
+        states: RequestStates,
+        slots: np.ndarray,
+        starts: np.ndarray,
+        counts: np.ndarray,
+        want_last: bool,
+    ) -> torch.Tensor:
+        """Ragged head forwards over the pairs of ``_pairs`` (in chunks of the token budget);
+        the predicted hidden after each request's last pair [n, H] (``want_last``; else [0, H])."""
+        tokens_np, rows_np = self._pairs(states, slots, starts, counts)
+        next_tokens = to_device(tokens_np, self.device)  # [T]
+        feat_rows = to_device(rows_np, self.device)  # [T]
+        run_slots = slots.tolist()
+
+        def run(
+            tokens: slice,
+            idx: list[int],
+            c_starts: list[int],
+            c_counts: list[int],
+            rows: np.ndarray,
+        ) -> torch.Tensor:
+            return self._run(
+                [run_slots[j] for j in idx],
+                c_starts,
+                c_counts,
+                self.embed(next_tokens[tokens]),
+                self.features[feat_rows[tokens]],
+                to_device(rows, self.device),
+            )
+
+        last = np.cumsum(counts) - 1 if want_last else np.zeros(0, np.int64)
+        return forward_in_chunks(
+            run, starts.tolist(), counts.tolist(), last, self.max_num_batched_tokens or 0
+        )
 
     @torch.inference_mode()
     def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
@@ -215,48 +353,35 @@ class EagleDrafter(Drafter):
         if not active:
             return Proposal(out, [0] * len(slots), probs)
         # Catch up: pairs (f_t, x_{t+1}) for t = num_computed .. L-2 of every active request.
-        run_slots, starts, counts, tok_idx, feat_slot, feat_pos = [], [], [], [], [], []
-        for i in active:
-            slot = slots[i]
-            length = int(states.num_tokens[slot])
-            assert self.num_features[slot] >= length - 1, "target hidden states missing"
-            start = min(int(self.num_computed[slot]), length - 2)
-            tokens = states.tokens(slot)
-            run_slots.append(slot)
-            starts.append(start)
-            counts.append(length - 1 - start)
-            tok_idx.append(tokens[start + 1 : length])
-            feat_slot.extend([slot] * (length - 1 - start))
-            feat_pos.extend(range(start, length - 1))
-            self.num_computed[slot] = length - 1
-        next_tokens = to_device(np.concatenate(tok_idx).astype(np.int64), device)  # [T]
-        feat_rows = self.feature_rows(
-            np.asarray(feat_slot, np.int64), np.asarray(feat_pos, np.int64)
-        )
-
-        def run(
-            tokens: slice,
-            idx: list[int],
-            c_starts: list[int],
-            c_counts: list[int],
-            rows: np.ndarray,
-        ) -> torch.Tensor:
-            feats = self.features[feat_rows[tokens]]  # [t, H]
-            return self._run(
-                [run_slots[j] for j in idx],
-                c_starts,
-                c_counts,
-                self.embed(next_tokens[tokens]),
-                feats,
-                to_device(rows, device),
-            )
-
+        run_np = np.asarray([slots[i] for i in active], np.int64)
+        lengths = states.num_tokens[run_np].astype(np.int64)
+        assert (self.num_features[run_np] >= lengths - 1).all(), "target hidden states missing"
+        starts = np.minimum(self.num_computed[run_np], lengths - 2)
+        self.num_computed[run_np] = lengths - 1
+        graphs = self._graphs
+        if graphs is not None and not sampled:
+            # the backlog past the layout's width first, then one padded step (eagle_graphs.py)
+            counts = lengths - 1 - starts
+            over = counts > graphs.width
+            if over.any():
+                self._catch_up(
+                    states, run_np[over], starts[over], counts[over] - graphs.width, False
+                )
+                starts = np.where(over, lengths - 1 - graphs.width, starts)
+            # blocks for the last draft forward's position, lengths + kmax - 3 (none past the end)
+            ends = np.minimum(lengths + max(kmax - 2, -1), self.max_model_len)
+            self.kv_cache.allocate(run_np.tolist(), ends.tolist())
+            tokens, rows = self._pairs(states, run_np, starts, lengths - 1 - starts)
+            drafts = graphs.drafts(run_np, starts, lengths, tokens, rows, kmax)  # [A, kmax]
+            if len(active) == len(slots):
+                return Proposal(drafts, list(widths), None)
+            out[to_device(active, device)] = drafts
+            return Proposal(out, list(widths), None)
         # [A, H]: the predicted hidden after each request's last committed pair
-        hidden = forward_in_chunks(
-            run, starts, counts, np.cumsum(counts) - 1, self.max_num_batched_tokens or 0
-        )
+        hidden = self._catch_up(states, run_np, starts, lengths - 1 - starts, True)
+        run_slots = run_np.tolist()
         rows = to_device(active, device)
-        positions = [int(states.num_tokens[s]) - 1 for s in run_slots]
+        positions = (lengths - 1).tolist()
         for j in range(kmax):
             logits = self.lm_head(hidden).float()[:, : self.vocab_size]  # [A, V]
             tokens, q = choose_tokens(states, run_slots, logits)
