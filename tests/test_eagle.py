@@ -290,9 +290,10 @@ def test_worker_daemon_serves_an_eagle_head(tmp_path: Path) -> None:
 Log = list[tuple[list[int], list[list[int]]]]
 
 
-def drafting_logs(device: str, modes: list[tuple[bool, bool]]) -> list[Log]:
+def drafting_logs(device: str, modes: list[tuple[bool, bool, bool]]) -> list[Log]:
     """Each proposal (widths, drafts) of a run with the EAGLE drafter in each (dense, CUDA
-    graphs) mode, same target, same head weights: requests of different widths, a chunked
+    graphs, ragged catch-up graphs where the paged kernel runs) mode, same target, same head
+    weights: requests of different widths, a chunked
     prefill, backlogs longer than the dense layout's width (every new prompt), verify caps, and
     scheduler-supplied drafts that are all accepted (catch-ups of k + 1 pairs). Every run's
     output is checked against target-only greedy."""
@@ -312,7 +313,7 @@ def drafting_logs(device: str, modes: list[tuple[bool, bool]]) -> list[Log]:
         return drafts
 
     logs: list[Log] = []
-    for dense, graphs in modes:
+    for dense, graphs, ragged in modes:
         drafter = EagleDrafter(
             random_head(target, 3).to(target.device),
             target,
@@ -332,6 +333,9 @@ def drafting_logs(device: str, modes: list[tuple[bool, bool]]) -> list[Log]:
             max_model_len=256,
             max_num_draft_tokens=K,
         )
+        assert (drafter._ragged is not None) == drafter.kernel
+        if not ragged:
+            drafter._ragged = None
         log: Log = []
 
         def record(
@@ -360,6 +364,9 @@ def drafting_logs(device: str, modes: list[tuple[bool, bool]]) -> list[Log]:
         if found is not None:
             assert found.num_runs > 10
             assert (found.num_captured > 0) == (graphs and device == "cuda")
+        if drafter._ragged is not None:
+            assert drafter._ragged.num_forwards > 0
+            assert (drafter._ragged.num_captured > 0) == (graphs and device == "cuda")
         logs.append(log)
     return logs
 
@@ -371,7 +378,11 @@ def test_the_dense_drafting_layout_proposes_what_the_ragged_one_does(
     """Greedy drafting in the padded layout that CUDA graphs replay (``eagle_graphs.py``: every
     request padded to k + 1 catch-up pairs, the batch to its bucket, K argmax forwards) proposes
     exactly the ragged path's drafts, step by step, on the CPU in float32, through the portable
-    attention and the paged kernel's metadata (in triton's interpreter)."""
+    attention and the paged kernel's metadata (in triton's interpreter; there the catch-ups run
+    the ragged graphs' layout too, and propose what the plain ragged forward does)."""
     monkeypatch.setenv("SPECD_ATTENTION_BACKEND", backend)
-    ragged, dense = drafting_logs("cpu", [(False, False), (True, False)])
-    assert ragged == dense
+    modes = [(False, False, False), (True, False, False)]
+    if backend == "triton":
+        modes = [(False, False, False), (False, False, True), (True, False, True)]
+    logs = drafting_logs("cpu", modes)
+    assert all(log == logs[0] for log in logs[1:])

@@ -134,11 +134,12 @@ def test_cuda_fp32_long_contexts_replay_the_graphs_captured_before_the_first_req
 
 
 def test_cuda_fp32_eagle_drafting_graphs_replay_what_runs_eagerly() -> None:
-    """The EAGLE head's drafting graphs (eagle_graphs.py) propose the drafts the same padded
-    layout proposes run eagerly, step by step, and the output is target-only greedy."""
+    """The EAGLE head's drafting graphs (eagle_graphs.py) and catch-up graphs (ragged_graphs.py)
+    propose the drafts the same layouts propose run eagerly, step by step, and the output is
+    target-only greedy."""
     from tests.test_eagle import drafting_logs
 
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    replayed, eager = drafting_logs("cuda", [(True, True), (True, False)])
+    replayed, eager = drafting_logs("cuda", [(True, True, True), (True, False, True)])
     assert replayed == eager

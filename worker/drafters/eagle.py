@@ -10,7 +10,10 @@ Draft pairs sit past the committed pairs in the head's cache and are dropped by 
 at L-1. The head's cache and the store of f_t are paged like the target's (``bind``).
 
 Greedy drafting runs as one padded layout (``eagle_graphs.py``), replayed from a CUDA graph on
-GPU; requests that sample, and catch-ups longer than k + 1 pairs, run the ragged path here.
+GPU; requests that sample, and catch-ups longer than k + 1 pairs, run the ragged path here, whose
+catch-up forwards replay ``RaggedGraphs`` per token bucket where the paged kernel runs (a backlog
+builds up while the tuner keeps drafting at zero, and it used to make the step that drafts again
+cost several eager forwards: the tuner then measured wide drafts as slower than they are).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from worker.host_copy import to_device
 from worker.kv_cache import KVCache, draft_num_blocks
 from worker.model_executor import ModelExecutor
 from worker.paged_kernel import use_kernel
+from worker.ragged_graphs import RaggedGraphs
 from worker.requests import RequestStates
 from worker.step_batch import flat_ranges
 
@@ -88,6 +92,7 @@ class EagleDrafter(Drafter):
         self.dense = self.device.type == "cuda" if dense is None else dense
         self.cuda_graphs = cuda_graphs
         self._graphs: EagleGraphs | None = None  # made in ``bind`` (it needs the head's cache)
+        self._ragged: RaggedGraphs | None = None  # the catch-up's, made in ``bind`` too
 
     def bind(self, target: ModelExecutor) -> None:
         """The feature store pages through the target's block table: one row per row of the
@@ -138,9 +143,28 @@ class EagleDrafter(Drafter):
                 use_graphs=self.cuda_graphs,
             )
 
+        if self.kernel and self.fused is not None:
+            self._ragged = RaggedGraphs(
+                self._ragged_backbone,
+                self._kv_cache,
+                max_tokens=self.max_num_batched_tokens,
+                device=self.device,
+                use_graphs=self.cuda_graphs,
+            )
+
     def capture_all(self) -> int:
-        """Capture every drafting graph now (the service does, before the first request)."""
-        return self._graphs.capture_all() if self._graphs is not None else 0
+        """Capture every drafting and catch-up graph now (the service does, before the first
+        request); returns how many."""
+        n = self._graphs.capture_all() if self._graphs is not None else 0
+        return n + (self._ragged.capture_all() if self._ragged is not None else 0)
+
+    def _ragged_backbone(
+        self, pairs: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata
+    ) -> torch.Tensor:
+        """``RaggedGraphs``' backbone: ``pairs`` [T] holds each pair's two indices in one int64
+        (the graphs carry one index per token), feature row * vocab + next token."""
+        v = self.embed.num_embeddings
+        return self._forward(self.embed(pairs % v), self.features[pairs // v], positions, meta)
 
     @property
     def kv_cache(self) -> KVCache:
@@ -317,6 +341,10 @@ class EagleDrafter(Drafter):
         feat_rows = to_device(rows_np, self.device)  # [T]
         run_slots = slots.tolist()
 
+        ragged = self._ragged
+        # [T] both indices of each pair in one int64, as the ragged graphs' backbone reads them
+        pairs = feat_rows * self.embed.num_embeddings + next_tokens if ragged is not None else None
+
         def run(
             tokens: slice,
             idx: list[int],
@@ -324,8 +352,14 @@ class EagleDrafter(Drafter):
             c_counts: list[int],
             rows: np.ndarray,
         ) -> torch.Tensor:
+            chunk_slots = [run_slots[j] for j in idx]
+            if pairs is not None and ragged.fits(tokens.stop - tokens.start, len(idx)):  # type: ignore[union-attr]
+                ends = [s + c for s, c in zip(c_starts, c_counts, strict=True)]
+                self.kv_cache.allocate(chunk_slots, ends)
+                out = ragged.forward(pairs[tokens], chunk_slots, c_starts, c_counts)  # type: ignore[union-attr]
+                return out[to_device(rows, self.device)]
             return self._run(
-                [run_slots[j] for j in idx],
+                chunk_slots,
                 c_starts,
                 c_counts,
                 self.embed(next_tokens[tokens]),
