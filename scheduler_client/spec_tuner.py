@@ -25,7 +25,9 @@ drafts, all drafts) for two steps, propose then verify; widths in between are in
 end not in use is re-measured now and then (two steps: propose, then verify what was proposed), so a
 machine whose costs change is followed; each re-measurement that confirms the choice doubles the
 wait before the next one (64 decisions up to 1,024), since re-measuring a losing drafter costs its
-catch-up and two of its steps. At batch 1 on a GPU, where a step costs about the same whatever its
+catch-up and two of its steps; an end whose last re-measurement moved its time (up to three times
+in a row), or the no-drafts end while counted in fewer than three steps, is measured again after 8
+decisions, and from a width in between the end with fewer samples goes first. At batch 1 on a GPU, where a step costs about the same whatever its
 width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
 save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
 so speculation never costs throughput.
@@ -49,7 +51,10 @@ MAX_EXPLORE_WAIT = 4096  # ... this many decisions)
 REMEASURE = 0.5  # weight of a re-measured step in its width's time
 SMALL_BATCH = 8  # up to this many requests, the goodput sums run as a Python loop
 SURPRISE = 0.1  # a re-measurement that moved its width's time by more than this share ...
-# ... starts the waits over at EXPLORE_EVERY, as a changed choice does
+# ... starts the waits over at EXPLORE_EVERY, as a changed choice does, and measures the same
+EXPLORE_SOON = 8  # end again after this many decisions, ...
+MAX_SOON = 3  # ... at most this many times in a row (on a noisy host every measurement moves)
+SURE_SAMPLES = 3  # the no-drafts end counted in fewer steps: again EXPLORE_SOON decisions later
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -108,6 +113,7 @@ class _Bucket:
     explored_time: float = 0.0  # ... and that width's time before it
     explore_top: bool = False  # the last re-measurement was of the drafting end
     repeat: bool = False  # ... and it moved that end's time: measure the same end next
+    soon: int = 0  # re-measurements in a row that moved their end's time
 
     _seconds: dict[int, float] | None = None  # ``seconds`` until a fit changes
 
@@ -210,6 +216,8 @@ class SpeculationTuner:
         best_k = self._best(rates)
         if bucket.next_explore < 0:  # both ends just measured
             wait = max(bucket.explore_every, self._explore_wait(bucket, rates))
+            if self._unsure(bucket, best_k):
+                wait = EXPLORE_SOON
             bucket.next_explore = bucket.decisions + wait
         if bucket.explored_from >= 0:
             fit = bucket.fits.get(bucket.explored_width)
@@ -220,6 +228,7 @@ class SpeculationTuner:
                 moved = abs(known[bucket.explored_width] - before) > SURPRISE * before
                 same = (best_k > 0) == (bucket.explored_from > 0) and not moved
                 bucket.repeat = moved  # its time moved: the same end again, soon
+                bucket.soon = bucket.soon + 1 if moved else 0
                 bucket.explore_every = (
                     min(2 * bucket.explore_every, MAX_EXPLORE_EVERY) if same else EXPLORE_EVERY
                 )
@@ -230,6 +239,12 @@ class SpeculationTuner:
                 wait = bucket.explore_every
                 if wait > EXPLORE_EVERY:  # confirmed: no sooner than its cost allows
                     wait = max(wait, self._explore_wait(bucket, rates))
+                if (bucket.repeat and bucket.soon <= MAX_SOON) or self._unsure(bucket, best_k):
+                    # an end whose time moved was measured wrong (its first steps under a
+                    # ramp-up's prefill, a busy host): half of the error goes with each
+                    # re-measurement (REMEASURE), and 64 decisions apart a short served run
+                    # ended at the width that error chose
+                    wait = EXPLORE_SOON
                 bucket.next_explore = bucket.explored_at + wait
         elif bucket.decisions >= bucket.next_explore:  # refresh an end we are not using
             # from a width in between, the two ends by turns (the widths between are timed only
@@ -237,6 +252,12 @@ class SpeculationTuner:
             # when its last re-measurement moved its time
             if not (bucket.repeat and 0 < best_k < top):
                 bucket.explore_top = best_k == 0 or (best_k < top and not bucket.explore_top)
+                if 0 < best_k < top:  # the end with fewer samples (the less known) first
+                    n_top, n_zero = (
+                        bucket.fits[w].n if w in bucket.fits else 0 for w in (1 + top, 1)
+                    )
+                    if n_top != n_zero:
+                        bucket.explore_top = n_top < n_zero
             k = top if bucket.explore_top else 0
             fit = bucket.fits.get(1 + k)
             bucket.explored_from, bucket.explored_width = best_k, 1 + k
@@ -246,6 +267,15 @@ class SpeculationTuner:
             bucket.hold = self._verify = k
             return k
         return best_k
+
+    @staticmethod
+    def _unsure(bucket: _Bucket, best_k: int) -> bool:
+        """Drafting is chosen while the no-drafts end has fewer than SURE_SAMPLES steps counted
+        (its first measurement is one step, under whatever prefill and host load it met):
+        measure it again soon. Only that end: a step without drafts costs no more than the
+        chosen one, where a losing drafter's end costs its catch-up and long steps."""
+        fit = bucket.fits.get(1)
+        return best_k > 0 and (fit is None or fit.n < SURE_SAMPLES)
 
     def _borrow(self, bucket: _Bucket, num_reqs: int, width: int) -> None:
         """A batch size's first drafting-end time from the nearest batch size measured at both

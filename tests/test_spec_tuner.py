@@ -480,3 +480,24 @@ def test_a_buckets_times_follow_every_new_step() -> None:
     tuner.observe_step(1, 5, 0.010)
     assert bucket.seconds[5] > before[5]
     assert bucket.seconds[1] == pytest.approx(before[1])
+
+
+def test_a_no_drafts_end_measured_slow_is_measured_again_soon() -> None:
+    """The no-drafts end's first steps ran three times slow (a ramp-up's prefill at c=64, where
+    a served EAGLE row then drafted at width 1 for 364 of its 381 steps, its no-drafts time at
+    9.1 ms against 3.7 ms drafting): while that end has few samples, or a re-measurement moved
+    its time, it is measured again 8 decisions later, and the tuner stops drafting within a few
+    dozen decisions (64 apart, the first 300 decisions drafted 253 times)."""
+    tuner = SpeculationTuner(4)
+    n, avail, ks, slow = 48, 0, [], 2
+    for _ in range(300):
+        k = tuner.choose([0.3] * n, [avail] * n)
+        p = tuner.propose([0.3] * n, [4] * n)
+        seconds = 1.0 + 0.5 * k  # drafting loses: 1.3 tokens for 1.5x the time at best
+        if k == 0 and p == 0 and slow:
+            seconds, slow = 3.0, slow - 1
+        tuner.observe_step(n, 1 + k, seconds, p)
+        avail = p
+        ks.append(k)
+    assert sum(k > 0 for k in ks) <= 40, ks
+    assert ks[-200:].count(0) >= 198, ks
