@@ -7,7 +7,7 @@
 # call before stay in /tmp/site while the machine is warm). .whl holds pyzmq, msgspec, gguf,
 # llguidance, prometheus_client (what everything needs), starlette, uvicorn and click (the HTTP
 # door), and jsonschema with its needs (test modules import it); bench/gpu_carry.sh
-# makes .whl and both parts; .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
+# makes .whl, .whl3 (py-spy, for --profile-scheduler: a call of its own) and both parts; .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
 # carry it in a later call (STAGES=structured), the model stays in /tmp while the machine is warm.
 # Installs the carried cp312 wheels, keeps each GGUF part that comes in /tmp/specd-model and joins
 # and checks the embedded SmolLM2 GGUF once both are there, runs the GPU tests and the benchmarks
@@ -40,7 +40,7 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 for part in .carry/p1/gguf.part00 .carry/p2/gguf.part01; do
   if [ -f "$part" ]; then cp "$part" /tmp/specd-model/ || exit 1; fi
 done
-for wheels in .whl .whl2; do  # .whl2: the xgrammar stage's extras, whenever they come
+for wheels in .whl .whl2 .whl3; do  # .whl2: the xgrammar stage's extras, .whl3: py-spy, whenever they come
   if ls $wheels/*.whl > /dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site $wheels/*.whl || exit 1
