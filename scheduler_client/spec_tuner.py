@@ -25,8 +25,8 @@ drafts, all drafts) for two steps, propose then verify; widths in between are in
 end not in use is re-measured now and then (two steps: propose, then verify what was proposed), so a
 machine whose costs change is followed; each re-measurement that confirms the choice doubles the
 wait before the next one (64 decisions up to 1,024), since re-measuring a losing drafter costs its
-catch-up and two of its steps; an end whose last re-measurement moved its time (up to three times
-in a row), or the no-drafts end while counted in fewer than three steps, is measured again after 8
+catch-up and two of its steps; the no-drafts end, while counted in fewer than three steps or when
+its last re-measurement moved its time (up to three times in a row), is measured again after 8
 decisions, and from a width in between the end with fewer samples goes first. At batch 1 on a GPU, where a step costs about the same whatever its
 width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
 save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
@@ -50,11 +50,12 @@ EXPLORE_SHARE = 0.01  # the most of the time re-measurements may cost (waits up 
 MAX_EXPLORE_WAIT = 4096  # ... this many decisions)
 REMEASURE = 0.5  # weight of a re-measured step in its width's time
 SMALL_BATCH = 8  # up to this many requests, the goodput sums run as a Python loop
-SURPRISE = 0.1  # a re-measurement that moved its width's time by more than this share ...
-# ... starts the waits over at EXPLORE_EVERY, as a changed choice does, and measures the same
-EXPLORE_SOON = 8  # end again after this many decisions, ...
-MAX_SOON = 3  # ... at most this many times in a row (on a noisy host every measurement moves)
-SURE_SAMPLES = 3  # the no-drafts end counted in fewer steps: again EXPLORE_SOON decisions later
+SURPRISE = 0.1  # a re-measurement that moved its width's time by more than this share
+# starts the waits over at EXPLORE_EVERY, as a changed choice does, and measures the same end next
+EXPLORE_SOON = 8  # decisions before the no-drafts end is measured again when its last
+MAX_SOON = 3  # re-measurement moved its time (at most this many times in a row: on a noisy host
+# every measurement moves), or while drafting is chosen on fewer than SURE_SAMPLES of its steps
+SURE_SAMPLES = 3
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -113,7 +114,7 @@ class _Bucket:
     explored_time: float = 0.0  # ... and that width's time before it
     explore_top: bool = False  # the last re-measurement was of the drafting end
     repeat: bool = False  # ... and it moved that end's time: measure the same end next
-    soon: int = 0  # re-measurements in a row that moved their end's time
+    soon: int = 0  # re-measurements of the no-drafts end in a row that moved its time
 
     _seconds: dict[int, float] | None = None  # ``seconds`` until a fit changes
 
@@ -228,7 +229,9 @@ class SpeculationTuner:
                 moved = abs(known[bucket.explored_width] - before) > SURPRISE * before
                 same = (best_k > 0) == (bucket.explored_from > 0) and not moved
                 bucket.repeat = moved  # its time moved: the same end again, soon
-                bucket.soon = bucket.soon + 1 if moved else 0
+                # (the drafting end's time moves with the backlog its catch-up ran, which grows
+                # with the wait: it is not re-measured soon, as each costs that catch-up)
+                bucket.soon = bucket.soon + 1 if moved and bucket.explored_width == 1 else 0
                 bucket.explore_every = (
                     min(2 * bucket.explore_every, MAX_EXPLORE_EVERY) if same else EXPLORE_EVERY
                 )
@@ -239,7 +242,7 @@ class SpeculationTuner:
                 wait = bucket.explore_every
                 if wait > EXPLORE_EVERY:  # confirmed: no sooner than its cost allows
                     wait = max(wait, self._explore_wait(bucket, rates))
-                if (bucket.repeat and bucket.soon <= MAX_SOON) or self._unsure(bucket, best_k):
+                if 0 < bucket.soon <= MAX_SOON or self._unsure(bucket, best_k):
                     # an end whose time moved was measured wrong (its first steps under a
                     # ramp-up's prefill, a busy host): half of the error goes with each
                     # re-measurement (REMEASURE), and 64 decisions apart a short served run

@@ -501,3 +501,27 @@ def test_a_no_drafts_end_measured_slow_is_measured_again_soon() -> None:
         ks.append(k)
     assert sum(k > 0 for k in ks) <= 40, ks
     assert ks[-200:].count(0) >= 198, ks
+
+
+def test_a_losing_drafting_end_whose_time_moves_is_not_re_measured_soon() -> None:
+    """A re-measurement of the drafting end runs the catch-up of the backlog that built up
+    while drafting was off, so its time moves with the wait. Only the no-drafts end (a step
+    that costs no more than the chosen one) is measured again soon when its time moved: the
+    drafting end's re-measurements stay at least 64 decisions apart (8 apart, EAGLE at c=64
+    spent about a third of a step's time on them)."""
+    tuner = SpeculationTuner(4)
+    n, avail, turns = 48, 0, 0
+    drafting_steps = []
+    for i in range(1000):
+        k = tuner.choose([0.3] * n, [avail] * n)
+        p = tuner.propose([0.3] * n, [4] * n)
+        seconds = 1.0
+        if k:
+            turns += 1
+            seconds = 3.0 if turns % 2 else 4.5  # moves by half at every re-measurement
+        tuner.observe_step(n, 1 + k, seconds, p)
+        avail = p
+        if k:
+            drafting_steps.append(i)
+    gaps = np.diff(drafting_steps[2:]).tolist()  # after the first measurement of both ends
+    assert gaps and min(gaps) >= EXPLORE_EVERY, gaps
