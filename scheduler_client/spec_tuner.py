@@ -25,9 +25,10 @@ drafts, all drafts) for two steps, propose then verify; widths in between are in
 end not in use is re-measured now and then (two steps: propose, then verify what was proposed), so a
 machine whose costs change is followed; each re-measurement that confirms the choice doubles the
 wait before the next one (64 decisions up to 1,024), since re-measuring a losing drafter costs its
-catch-up and two of its steps; the no-drafts end, while counted in fewer than three steps or when
-its last re-measurement moved its time (up to three times in a row), is measured again after 8
-decisions, and from a width in between the end with fewer samples goes first. At batch 1 on a GPU, where a step costs about the same whatever its
+catch-up and two of its steps; a re-measurement that made its end cheaper starts the waits over
+(one that made it dearer confirms the choice); the no-drafts end, while counted in fewer than three
+steps or when its last re-measurement made it cheaper (up to three times in a row), is measured
+again after 8 decisions, and from a width in between the end with fewer samples goes first. At batch 1 on a GPU, where a step costs about the same whatever its
 width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
 save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
 so speculation never costs throughput.
@@ -50,10 +51,10 @@ EXPLORE_SHARE = 0.01  # the most of the time re-measurements may cost (waits up 
 MAX_EXPLORE_WAIT = 4096  # ... this many decisions)
 REMEASURE = 0.5  # weight of a re-measured step in its width's time
 SMALL_BATCH = 8  # up to this many requests, the goodput sums run as a Python loop
-SURPRISE = 0.1  # a re-measurement that moved its width's time by more than this share
-# starts the waits over at EXPLORE_EVERY, as a changed choice does, and measures the same end next
+SURPRISE = 0.1  # a re-measurement that cut its width's time by more than this share starts
+# the waits over at EXPLORE_EVERY, as a changed choice does, and measures the same end next
 EXPLORE_SOON = 8  # decisions before the no-drafts end is measured again when its last
-MAX_SOON = 3  # re-measurement moved its time (at most this many times in a row: on a noisy host
+MAX_SOON = 3  # re-measurement cut its time (at most this many times in a row: on a noisy host
 # every measurement moves), or while drafting is chosen on fewer than SURE_SAMPLES of its steps
 SURE_SAMPLES = 3
 
@@ -223,14 +224,15 @@ class SpeculationTuner:
         if bucket.explored_from >= 0:
             fit = bucket.fits.get(bucket.explored_width)
             if fit is not None and fit.n > bucket.explored_samples:
-                # the re-measured step has been observed: did it change the choice, or the
-                # time of the width it measured?
+                # the re-measured step has been observed: did it change the choice, or make
+                # the end it measured cheaper? (An end not in use that got dearer confirms
+                # the choice: a drafting end's time grows with the catch-up backlog its wait
+                # built, and counting that as a surprise kept its waits at 64 decisions.)
                 before = bucket.explored_time
-                moved = abs(known[bucket.explored_width] - before) > SURPRISE * before
+                moved = before - known[bucket.explored_width] > SURPRISE * before
                 same = (best_k > 0) == (bucket.explored_from > 0) and not moved
-                bucket.repeat = moved  # its time moved: the same end again, soon
-                # (the drafting end's time moves with the backlog its catch-up ran, which grows
-                # with the wait: it is not re-measured soon, as each costs that catch-up)
+                bucket.repeat = moved  # it got cheaper: the same end again next
+                # (soon only the no-drafts end: a drafting end's re-measurement costs its catch-up)
                 bucket.soon = bucket.soon + 1 if moved and bucket.explored_width == 1 else 0
                 bucket.explore_every = (
                     min(2 * bucket.explore_every, MAX_EXPLORE_EVERY) if same else EXPLORE_EVERY

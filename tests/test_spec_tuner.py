@@ -525,3 +525,24 @@ def test_a_losing_drafting_end_whose_time_moves_is_not_re_measured_soon() -> Non
             drafting_steps.append(i)
     gaps = np.diff(drafting_steps[2:]).tolist()  # after the first measurement of both ends
     assert gaps and min(gaps) >= EXPLORE_EVERY, gaps
+
+
+def test_an_end_that_grows_dearer_confirms_the_choice() -> None:
+    """Each re-measurement finds a losing drafter's end 30% dearer than the last: that confirms
+    drafting nothing, and the waits double (taken as a surprise, every move reset them to 64
+    decisions, 46 re-measurements in 3,000 decisions)."""
+    tuner = SpeculationTuner(4)
+    n, avail, m = 48, 0, 0
+    drafting_steps = []
+    for i in range(3000):
+        k = tuner.choose([0.3] * n, [avail] * n)
+        p = tuner.propose([0.3] * n, [4] * n)
+        seconds = 1.0
+        if k:
+            seconds, m = 3.0 * 1.3**m, m + 1
+        tuner.observe_step(n, 1 + k, seconds, p)
+        avail = p
+        if k:
+            drafting_steps.append(i)
+    gaps = np.diff(drafting_steps).tolist()
+    assert len(gaps) <= 8 and gaps[1:] == sorted(gaps[1:]) and gaps[-1] >= 512, gaps
