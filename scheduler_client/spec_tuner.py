@@ -226,8 +226,8 @@ class SpeculationTuner:
             if fit is not None and fit.n > bucket.explored_samples:
                 # the re-measured step has been observed: did it change the choice, or make
                 # the end it measured cheaper? (An end not in use that got dearer confirms
-                # the choice: a drafting end's time grows with the catch-up backlog its wait
-                # built, and counting that as a surprise kept its waits at 64 decisions.)
+                # the choice; counted as a surprise, a losing drafter that kept measuring
+                # dearer was re-measured every 64 decisions, each costing its catch-up.)
                 before = bucket.explored_time
                 moved = before - known[bucket.explored_width] > SURPRISE * before
                 same = (best_k > 0) == (bucket.explored_from > 0) and not moved
