@@ -28,7 +28,7 @@ wait before the next one (64 decisions up to 1,024), since re-measuring a losing
 catch-up and two of its steps; a re-measurement that made its end cheaper starts the waits over
 (one that made it dearer confirms the choice); the no-drafts end, while counted in fewer than three
 steps or when its last re-measurement made it cheaper (up to three times in a row), is measured
-again after 8 decisions, and from a width in between the end with fewer samples goes first. At batch 1 on a GPU, where a step costs about the same whatever its
+again after 8 decisions. At batch 1 on a GPU, where a step costs about the same whatever its
 width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
 save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
 so speculation never costs throughput.
@@ -257,12 +257,6 @@ class SpeculationTuner:
             # when its last re-measurement moved its time
             if not (bucket.repeat and 0 < best_k < top):
                 bucket.explore_top = best_k == 0 or (best_k < top and not bucket.explore_top)
-                if 0 < best_k < top:  # the end with fewer samples (the less known) first
-                    n_top, n_zero = (
-                        bucket.fits[w].n if w in bucket.fits else 0 for w in (1 + top, 1)
-                    )
-                    if n_top != n_zero:
-                        bucket.explore_top = n_top < n_zero
             k = top if bucket.explore_top else 0
             fit = bucket.fits.get(1 + k)
             bucket.explored_from, bucket.explored_width = best_k, 1 + k

@@ -546,3 +546,26 @@ def test_an_end_that_grows_dearer_confirms_the_choice() -> None:
             drafting_steps.append(i)
     gaps = np.diff(drafting_steps).tolist()
     assert len(gaps) <= 8 and gaps[1:] == sorted(gaps[1:]) and gaps[-1] >= 512, gaps
+
+
+def test_from_a_width_in_between_both_ends_are_re_measured() -> None:
+    """Full width paid for thousands of steps, then a width in between did, then full width
+    pays again: the tuner follows each change (from a width in between the two ends are
+    re-measured by turns, so neither end's time stays stale)."""
+    tuner = SpeculationTuner(4)
+    n, avail = 16, 0
+
+    def steps(count: int, alpha: float, per_width: float) -> list[int]:
+        nonlocal avail
+        ks = []
+        for _ in range(count):
+            k = tuner.choose([alpha] * n, [avail] * n)
+            p = tuner.propose([alpha] * n, [4] * n)
+            tuner.observe_step(n, 1 + k, 1.0 + per_width * k, p)
+            avail = p
+            ks.append(k)
+        return ks
+
+    assert steps(3000, 0.8, 0.05)[-100:].count(4) >= 95
+    assert steps(400, 0.7, 0.3)[-100:].count(2) >= 90
+    assert steps(4000, 0.8, 0.05)[-1000:].count(4) >= 990

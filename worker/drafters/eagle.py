@@ -10,7 +10,7 @@ Draft pairs sit past the committed pairs in the head's cache and are dropped by 
 at L-1. The head's cache and the store of f_t are paged like the target's (``bind``).
 
 Greedy drafting runs as one padded layout (``eagle_graphs.py``), replayed from a CUDA graph on
-GPU; requests that sample, and catch-ups longer than k + 1 pairs, run the ragged path here, whose
+GPU where the paged kernel runs; requests that sample, and catch-ups longer than k + 1 pairs, run the ragged path here, whose
 catch-up forwards replay ``RaggedGraphs`` per token bucket where the paged kernel runs (a backlog
 builds up while the tuner keeps drafting at zero, and it used to make the step that drafts again
 cost several eager forwards: the tuner then measured wide drafts as slower than they are).
@@ -62,7 +62,7 @@ class EagleDrafter(Drafter):
         """``max_num_tokens``: the most drafts a request proposes; ``max_num_batched_tokens``:
         the most pairs one catch-up forward of the head runs (None: the target's token budget,
         its executor's ``max_num_tokens``). ``dense``: greedy drafting in the padded layout of
-        ``eagle_graphs.py`` (None: on CUDA), replayed from CUDA graphs unless ``cuda_graphs``
+        ``eagle_graphs.py`` (None: on CUDA with the paged kernel), replayed from CUDA graphs unless ``cuda_graphs``
         is False."""
         cfg = head.config
         param = next(head.parameters())
@@ -89,7 +89,9 @@ class EagleDrafter(Drafter):
         self._placeholder_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=self.device)
         # the head's one layer through the fused forward (fused_layers.py) where it applies
         self.fused = FusedDecoder.for_model(head.layers, compiled=False)
-        self.dense = self.device.type == "cuda" if dense is None else dense
+        # default: where the paged kernel runs (its work follows each token's own position; the
+        # portable attention would gather every request's keys up to max_model_len each forward)
+        self.dense = self.device.type == "cuda" and self.kernel if dense is None else dense
         self.cuda_graphs = cuda_graphs
         self._graphs: EagleGraphs | None = None  # made in ``bind`` (it needs the head's cache)
         self._ragged: RaggedGraphs | None = None  # the catch-up's, made in ``bind`` too

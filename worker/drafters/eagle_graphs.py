@@ -15,8 +15,10 @@ request's own generator), and the part of a backlog longer than ``width`` pairs 
 or the tokens since the tuner last turned drafting down), which the drafter runs first.
 
 Padding: a request's catch-up rows past its real pairs write their keys at the positions its
-drafts take next (each draft forward rewrites its position's keys before any query reads them)
-or, past the blocks it holds, into the scratch block; padded requests run on the scratch slot.
+drafts take next (each draft forward rewrites its position's keys before any query reads them),
+past the blocks it holds into the scratch block, and past max_model_len (fed clamped) into rows
+no query reads; padded requests run on the scratch slot. Attention runs the paged kernel, whose
+work follows each token's own position (the drafter uses this layout where it runs).
 """
 
 from __future__ import annotations
