@@ -9,11 +9,11 @@ the target's LM head, draft 1. Each further draft feeds back (predicted hidden, 
 Draft pairs sit past the committed pairs in the head's cache and are dropped by keeping its length
 at L-1. The head's cache and the store of f_t are paged like the target's (``bind``).
 
-Greedy drafting runs as one padded layout (``eagle_graphs.py``), replayed from a CUDA graph on
-GPU where the paged kernel runs; requests that sample, and catch-ups longer than k + 1 pairs, run the ragged path here, whose
-catch-up forwards replay ``RaggedGraphs`` per token bucket where the paged kernel runs (a backlog
-builds up while the tuner keeps drafting at zero, and it used to make the step that drafts again
-cost several eager forwards: the tuner then measured wide drafts as slower than they are).
+Where the paged kernel runs, greedy drafting is one padded layout (``eagle_graphs.py``),
+replayed from a CUDA graph on GPU. Requests that sample, and catch-ups longer than k + 1 pairs,
+run the ragged path here, whose catch-up forwards replay ``RaggedGraphs`` per token bucket there
+(a backlog builds up while the tuner keeps drafting at zero: eagerly, the step that drafts again
+paid several forwards for it).
 """
 
 from __future__ import annotations
@@ -62,8 +62,8 @@ class EagleDrafter(Drafter):
         """``max_num_tokens``: the most drafts a request proposes; ``max_num_batched_tokens``:
         the most pairs one catch-up forward of the head runs (None: the target's token budget,
         its executor's ``max_num_tokens``). ``dense``: greedy drafting in the padded layout of
-        ``eagle_graphs.py`` (None: on CUDA with the paged kernel), replayed from CUDA graphs unless ``cuda_graphs``
-        is False."""
+        ``eagle_graphs.py`` (None: on CUDA with the paged kernel), replayed from CUDA graphs
+        unless ``cuda_graphs`` is False."""
         cfg = head.config
         param = next(head.parameters())
         self.head = head
@@ -144,7 +144,6 @@ class EagleDrafter(Drafter):
                 device=self.device,
                 use_graphs=self.cuda_graphs,
             )
-
         if self.kernel and self.fused is not None:
             self._ragged = RaggedGraphs(
                 self._ragged_backbone,
@@ -355,10 +354,11 @@ class EagleDrafter(Drafter):
             rows: np.ndarray,
         ) -> torch.Tensor:
             chunk_slots = [run_slots[j] for j in idx]
-            if pairs is not None and ragged.fits(tokens.stop - tokens.start, len(idx)):  # type: ignore[union-attr]
+            total = tokens.stop - tokens.start
+            if ragged is not None and pairs is not None and ragged.fits(total, len(idx)):
                 ends = [s + c for s, c in zip(c_starts, c_counts, strict=True)]
                 self.kv_cache.allocate(chunk_slots, ends)
-                out = ragged.forward(pairs[tokens], chunk_slots, c_starts, c_counts)  # type: ignore[union-attr]
+                out = ragged.forward(pairs[tokens], chunk_slots, c_starts, c_counts)
                 return out[to_device(rows, self.device)]
             return self._run(
                 chunk_slots,
