@@ -10,7 +10,8 @@ either from every step with its prefill tokens (as ``Engine._observe`` now feeds
 decode-only steps alone (as it did before: under arrivals it then hardly ever measured). The
 ``draft model`` profile is fitted to the H200 figures of h200-s10 run 5 (1B target, 135M draft,
 dummies: no drafts 7.2 ms a step at batch 54; drafting 4 at batch 42, 48 ms a step with a mean
-acceptance length of 3.78; in process at c=1, 18.1 ms a step of 5 tokens against 3.4). Output
+acceptance length of 3.78; in process at c=1, 18.1 ms a step of 5 tokens against 3.4). A profile
+may charge a step with any prompt chunk a premium of its own (``mixed_ms``). Output
 tokens per simulated second, as a ratio to no drafts. This is a model of the costs, not a
 measurement: it shows what the tuner decides under them.
 """
@@ -39,11 +40,19 @@ class Profile:
     verify_ms: float  # each extra verified width, per decoding request
     draft_ms: tuple[float, float]  # each proposed draft: a + b * batch
     prefill_ms: float  # per prompt token
+    mixed_ms: float = 0.0  # once a step that carries a prompt chunk (the ragged path's premium)
 
 
 PROFILES = (
     Profile("draft model (h200-s10 run 5 fit)", 0.85, (3.0, 0.07), 0.02, (3.3, 0.15), 0.002),
     Profile("cheap drafter that pays", 0.85, (3.0, 0.07), 0.02, (0.05, 0.0), 0.002),
+    # SmolLM2's EAGLE head on an H100 (h100-s17: no drafts 1.9 ms a step at c=1, 2.9 at c=64;
+    # full width 0.5 ms more at c=1, 2.3x at c=64; acceptance ~0.3), and a step with a prompt
+    # chunk paying the ragged path's premium (3 ms: a made-up figure, as large as a decode step)
+    Profile("EAGLE-like, losing at c=64", 0.3, (1.9, 0.02), 0.012, (0.1, 0.004), 0.001),
+    Profile(
+        "EAGLE-like + 3 ms mixed-step premium", 0.3, (1.9, 0.02), 0.012, (0.1, 0.004), 0.001, 3.0
+    ),
 )
 
 
@@ -115,6 +124,7 @@ def simulate(
             + profile.decode_ms[1] * b
             + profile.verify_ms * ran * len(decoding)
             + profile.prefill_ms * prefill
+            + profile.mixed_ms * (prefill > 0)
             + (profile.draft_ms[0] + profile.draft_ms[1] * b) * proposals * (proposals > 0)
         )
         if tuner is not None and (policy == "tuner" or prefill == 0):

@@ -79,26 +79,69 @@ def _blend(old: float, new: float, weight: float) -> float:
 
 @dataclass
 class _Fit:
-    """One width's step time t against the step's prefill tokens p: moving averages of p, t,
-    p*p and p*t (a running mean for the first 1 / EMA samples, then EMA)."""
+    """One width's step time t against the step's prefill tokens p and whether it had any
+    (m = 1 if p > 0: a step with a prompt chunk leaves the decode graphs for the ragged path, a
+    premium whatever its size): moving averages of p, m, t and their products (a running mean
+    for the first 1 / EMA samples, then EMA)."""
 
     n: int = 0
     p: float = 0.0
     t: float = 0.0
     pp: float = 0.0
     pt: float = 0.0
+    m: float = 0.0
+    mp: float = 0.0
+    mt: float = 0.0
 
     def add(self, p: float, t: float, weight: float = EMA) -> None:
         self.n += 1
         w = max(1.0 / self.n, weight)
+        m = 1.0 if p > 0 else 0.0
         self.p, self.t = _blend(self.p, p, w), _blend(self.t, t, w)
         self.pp, self.pt = _blend(self.pp, p * p, w), _blend(self.pt, p * t, w)
+        self.m, self.mp, self.mt = (
+            _blend(self.m, m, w),
+            _blend(self.mp, m * p, w),
+            _blend(self.mt, m * t, w),
+        )
 
     def var(self) -> float:
         return max(self.pp - self.p * self.p, 0.0)
 
     def cov(self) -> float:
         return self.pt - self.p * self.t
+
+    def var_m(self) -> float:
+        return max(self.m - self.m * self.m, 0.0)
+
+    def cov_mp(self) -> float:
+        return self.mp - self.m * self.p
+
+    def cov_mt(self) -> float:
+        return self.mt - self.m * self.t
+
+
+def _prefill_costs(fits: Sequence[_Fit]) -> tuple[float, float]:
+    """(per prompt token, per step that carries any) pooled over the widths' own spreads: least
+    squares of t on p and m within each width. Where the steps leave either without spread (all
+    with prompt chunks, or none), or a coefficient comes out negative, the other is fitted
+    alone."""
+    spp = sum(f.var() for f in fits)
+    smm = sum(f.var_m() for f in fits)
+    spm = sum(f.cov_mp() for f in fits)
+    spt = sum(f.cov() for f in fits)
+    smt = sum(f.cov_mt() for f in fits)
+    det = spp * smm - spm * spm
+    if spp > 1.0 and smm > 1e-3 and det > 1e-6 * spp * smm:
+        per_token = (smm * spt - spm * smt) / det
+        per_step = (spp * smt - spm * spt) / det
+        if per_token >= 0.0 and per_step >= 0.0:
+            return per_token, per_step
+    by_token = max(spt / spp, 0.0) if spp > 1.0 else 0.0
+    by_step = max(smt / smm, 0.0) if smm > 1e-3 else 0.0
+    if by_token > 0.0 and (spp > 1.0 and (smm <= 1e-3 or by_step * smt <= by_token * spt)):
+        return by_token, 0.0  # (the one that explains more of the spread)
+    return 0.0, by_step
 
 
 @dataclass
@@ -132,17 +175,26 @@ class _Bucket:
 
     @property
     def seconds(self) -> dict[int, float]:
-        """Width -> the decode part of its step time (at no prefill). The time a prefill token
-        costs is one slope for the bucket, pooled over the widths' own spreads (the width in use
-        has many samples; the other end, re-measured now and then, few), and at most what leaves
-        each width a hundredth of its mean time. Computed once per change of the fits (both
+        """Width -> the decode part of its step time (at no prefill). What a prefill token and
+        a step with any prompt chunk cost is one fit for the bucket (``_prefill_costs``), pooled
+        over the widths' own spreads (the width in use has many samples; the other end,
+        re-measured now and then, few), and at most what leaves each width a hundredth of its
+        mean time. Computed once per change of the fits (both
         decisions of a step read it): read-only."""
         if self._seconds is None:
-            fits = self.fits.values()
-            spread = sum(f.var() for f in fits)
-            slope = max(sum(f.cov() for f in fits) / spread, 0.0) if spread > 1.0 else 0.0
-            slope = min([slope, *(0.99 * f.t / f.p for f in fits if f.p > 0)])
-            self._seconds = {w: max(f.t - slope * f.p, 1e-9) for w, f in self.fits.items()}
+            fits = list(self.fits.values())
+            per_token, per_step = _prefill_costs(fits)
+            # at most what leaves each width a hundredth of its mean time
+            scale = min(
+                [
+                    1.0,
+                    *(0.99 * f.t / x for f in fits if (x := per_token * f.p + per_step * f.m) > 0),
+                ]
+            )
+            per_token, per_step = scale * per_token, scale * per_step
+            self._seconds = {
+                w: max(f.t - per_token * f.p - per_step * f.m, 1e-9) for w, f in self.fits.items()
+            }
         return self._seconds
 
 

@@ -231,6 +231,30 @@ def test_widths_measured_under_different_prefill_loads_are_compared_at_one_load(
     assert tuner.choose([0.6] * 8, [4] * 8) > 0
 
 
+def test_a_steps_premium_for_any_prompt_chunk_is_fitted_apart_from_its_tokens() -> None:
+    """A step with any prompt chunk leaves the decode graphs for the ragged path: 3.0 more
+    whatever its size, beside 0.001 a prompt token. The no-drafts end measured mostly in such
+    steps (arrivals), the drafting end mostly without: one slope per token left 0.68 of that
+    premium in the no-drafts end's decode part (3.68 against 3.0), and a losing drafter (alpha
+    0.3, 7.0 a step) drafted one; fitted apart, both decode parts come out exact and it drafts
+    none."""
+    tuner = SpeculationTuner(4)
+    rng = random.Random(2)
+
+    def cost(width: int, p: int) -> float:
+        return (3.0 if width == 1 else 7.0) + 0.001 * p + (3.0 if p else 0.0)
+
+    for _ in range(30):
+        p = rng.randrange(100, 600) if rng.random() < 0.8 else 0
+        tuner.observe_step(48, 1, cost(1, p), 0, p)
+    for _ in range(15):
+        p = rng.randrange(100, 600) if rng.random() < 0.2 else 0
+        tuner.observe_step(48, 5, cost(5, p), 4, p)
+    times = tuner._buckets[64].seconds
+    assert times[1] == pytest.approx(3.0) and times[5] == pytest.approx(7.0), times
+    assert tuner.choose([0.3] * 48, [4] * 48) == 0
+
+
 def test_the_engine_counts_steps_with_prompt_chunks_for_the_tuner() -> None:
     """``Engine._observe`` passes a step with a new request and a prompt chunk to the tuner
     with its prefill tokens, at the width the worker ran."""
@@ -349,14 +373,17 @@ def test_the_served_c64_cost_model_turns_a_losing_draft_model_off() -> None:
     tuner drafted at full width at c=64 and served 0.38x no drafts): at c=64 with arrivals the
     tuner fed every step keeps at least 0.92x no drafts in a row as short as the served ones
     (0.98x over 2,000 requests), where drafting every step makes 0.41x; a cheap drafter keeps
-    its speedup."""
+    its speedup; so does no drafting a losing EAGLE-like head with a mixed-step premium."""
     from bench.tuner_sim import PROFILES, simulate
 
-    draft_model, cheap = PROFILES
+    draft_model, cheap, _, eagle_mixed = PROFILES
     base = simulate(draft_model, "none", 64, 300)
     assert simulate(draft_model, "always", 64, 300) < 0.5 * base
     assert simulate(draft_model, "tuner", 64, 300) >= 0.92 * base
     assert simulate(cheap, "tuner", 64, 300) >= 1.8 * base
+    # a losing EAGLE-like head whose mixed steps pay a premium of their own (0.60x every step)
+    base = simulate(eagle_mixed, "none", 64, 300)
+    assert simulate(eagle_mixed, "tuner", 64, 300) >= 0.9 * base
 
 
 def test_one_slow_step_does_not_keep_a_paying_drafter_off() -> None:
