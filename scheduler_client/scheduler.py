@@ -482,10 +482,17 @@ class Scheduler:
             for r in self.running
             if r.pending_samples or r.num_tokens - r.num_computed - r.num_inflight == 1
         ]
+        # a request whose drafts are not back yet (overlap) gets at most what the last step sent
+        # asked the worker to propose: 0 while the tuner keeps drafting off, and then the step
+        # needs no choice (at c=64 the choice's per-request lists and rates cost every step)
+        asked = self.proposal_caps.get(self.step_id - 1, -1)
+        cap = asked if asked >= 0 else 1 << 30
         avail = [
-            r.num_speculative_tokens if r.pending_samples else len(r.draft_ids) for r in decoding
+            min(r.num_speculative_tokens, cap) if r.pending_samples else len(r.draft_ids)
+            for r in decoding
         ]
         if not any(avail):
+            self.tuner.skip_choice()
             return 0
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
         # a request whose drafts are not back yet (overlap) verifies what the drafter finds

@@ -365,6 +365,11 @@ class SpeculationTuner:
             return top
         return self._best(self._rates(known, alphas, caps, top, hits))
 
+    def skip_choice(self) -> None:
+        """A step with no drafts to verify: no choice is made, and a measurement's verify width
+        (``propose``'s) is used up as ``choose`` would have used it."""
+        self._verify = -1
+
     @staticmethod
     def _best(rates: list[float]) -> int:
         """The K of the highest expected tokens per second (the narrower of a tie)."""

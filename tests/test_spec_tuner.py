@@ -596,3 +596,32 @@ def test_from_a_width_in_between_both_ends_are_re_measured() -> None:
     assert steps(3000, 0.8, 0.05)[-100:].count(4) >= 95
     assert steps(400, 0.7, 0.3)[-100:].count(2) >= 90
     assert steps(4000, 0.8, 0.05)[-1000:].count(4) >= 990
+
+
+def test_with_drafting_off_a_step_in_flight_asks_the_tuner_for_no_choice() -> None:
+    """Overlap: a request whose drafts are not back yet can verify at most what the last step
+    asked the worker to propose. While the tuner keeps that at zero, the next step has nothing
+    to verify and makes no choice (its per-request lists and rates cost every step at c=64);
+    once a step asks for drafts, the next one chooses again."""
+    limits = WorkerLimits(
+        vocab_size=100, eos_token_ids=(0,), max_model_len=64, max_num_speculative_tokens=4,
+        max_num_seqs=4,
+    )  # fmt: skip
+    s = Scheduler(SchedulerConfig(async_scheduling=True), limits, None, None)
+    assert s.tuner is not None
+    for r in ("a", "b"):
+        s.add(Request(r, [1, 2, 3], SamplingParams(max_tokens=30), 4))
+    chosen: list[int] = []
+    choose = s.tuner.choose
+    s.tuner.choose = lambda *a: chosen.append(1) or choose(*a)  # type: ignore[method-assign]
+    asked = [0, 0, 4, 4]
+    s.tuner.propose = lambda *a: asked.pop(0)  # type: ignore[method-assign]
+    asks, widths = [], []
+    for _ in range(4):  # in flight, none answered
+        sched = s.schedule()
+        assert sched is not None
+        asks.append(sched.max_draft_proposals)
+        widths.append(sched.num_draft_tokens.tolist())
+    assert asks == [0, 0, 4, 4]
+    assert widths[:3] == [[0, 0]] * 3 and widths[3] == [4, 4], widths  # (caps, with overlap)
+    assert len(chosen) == 1  # only the step after the one that asked for 4
