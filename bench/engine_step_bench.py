@@ -4,7 +4,10 @@ them), overlap scheduling. The worker serves a 2-layer random model (``--load-fo
 SmolLM2's tokenizer, so its steps are short and the scheduler does a real model's bookkeeping
 (detokenization, grammar rows, drafts) on the CPU. Reports the engine process's CPU ms a step.
 
-    python bench/engine_step_bench.py [--drafter none|ngram] [--root DIR]
+    python bench/engine_step_bench.py [--drafter none|ngram] [--zero-width] [--root DIR]
+
+``--zero-width`` pins the tuner's proposals at zero (as it keeps a losing drafter): what a
+drafter held at zero width costs the scheduler against ``--drafter none``.
 
 ``--root`` runs another checkout's code (scheduler and worker alike: a git worktree of an older
 commit), so two trees are compared in one run on one machine. Its figures are this process's CPU,
@@ -48,6 +51,7 @@ def main() -> None:
     ap.add_argument("--drafter", default="none", choices=("none", "ngram"))
     ap.add_argument("--requests", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--zero-width", action="store_true", help="the tuner proposes no drafts")
     a = ap.parse_args()
     root = os.path.abspath(a.root)
     sys.path.insert(0, root)
@@ -68,6 +72,8 @@ def main() -> None:
         )
         workload = load_workload(str(HERE / "workloads" / "mixed.jsonl"), a.requests)
         with Engine(config) as engine:
+            if a.zero_width and engine.scheduler.tuner is not None:
+                engine.scheduler.tuner.propose = lambda *_: 0  # type: ignore[method-assign]
             engine.generate([dict(w, max_tokens=8, ignore_eos=True) for w in workload[:8]])
             for w in workload:
                 engine.add_request(**dict(w, max_tokens=a.max_tokens, ignore_eos=True))
@@ -75,8 +81,9 @@ def main() -> None:
             engine.run_until_done()
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             steps = engine.scheduler.step_id - steps0
+    name = a.drafter + (" at zero width" if a.zero_width else "")
     print(
-        f"{a.drafter}: {steps} steps, scheduler CPU {cpu / steps * 1e3:.2f} ms a step "
+        f"{name}: {steps} steps, scheduler CPU {cpu / steps * 1e3:.2f} ms a step "
         f"(wall {wall / steps * 1e3:.2f} ms a step)"
     )
 
