@@ -18,7 +18,6 @@ buffer it waits on the event of the previous copy (the copy may still be reading
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,6 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from worker.graph_capture import GraphCapture, StagedInputs
 from worker.kv_cache import KVCache
 
 log = logging.getLogger("specd.worker")
@@ -50,9 +50,7 @@ class _Shape:
     max_len: int  # keys attended per request
     num_tokens: int  # T: num_reqs * width, rounded up to the token bucket
     # device int64: ids [T] | positions [T] | slot_mapping [T] | slot_idx [B] | dest [B * width]
-    inputs: torch.Tensor
-    staging: torch.Tensor  # its host twin (pinned on CUDA)
-    copied: torch.cuda.Event | None = None
+    buf: StagedInputs
     graph: torch.cuda.CUDAGraph | None = None
     logits: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
@@ -84,11 +82,7 @@ class DecodeGraphs:
         self.use_graphs = use_graphs and device.type == "cuda"
         self.token_bucket = token_bucket
         self._shapes: dict[tuple[int, int, int], _Shape] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        # One side stream for every capture's warm-up: the caching allocator keeps freed blocks
-        # per stream, so a new stream per capture stranded each warm-up's memory (an 8B target
-        # at batch 64 ran out of the H200's 140 GB while capturing every shape).
-        self._side = torch.cuda.Stream(device) if self.use_graphs else None
+        self._capturer = GraphCapture(device) if self.use_graphs else None
         self.num_captured = 0
         self.num_forwards = 0
         # the last forward's (slot mapping [T], flat token -> padded row [total]) on the device
@@ -122,10 +116,7 @@ class DecodeGraphs:
         tb = self.token_bucket
         n = -(-num_reqs * w // tb) * tb
         size = 3 * n + num_reqs + num_reqs * w
-        inputs = torch.zeros(size, dtype=torch.long, device=self.device)
-        pin = self.device.type == "cuda"
-        staging = torch.zeros(size, dtype=torch.long, pin_memory=pin)
-        shape = _Shape(num_reqs, w, max_len, n, inputs, staging)
+        shape = _Shape(num_reqs, w, max_len, n, StagedInputs(size, self.device))
         self._shapes[key] = shape
         if self.use_graphs:
             self._capture(shape)
@@ -154,7 +145,9 @@ class DecodeGraphs:
     def _fill_padding(self, shape: _Shape, num_reqs: int) -> None:
         """Rows past the real requests: dummy requests on the scratch slot, then token padding."""
         cache, w = self.kv_cache, shape.width
-        ids, pos, slot_mapping, slot_idx, _dest = (t.numpy() for t in shape.split(shape.staging))
+        ids, pos, slot_mapping, slot_idx, _dest = (
+            t.numpy() for t in shape.split(shape.buf.staging)
+        )
         bs = cache.block_size  # the scratch block holds flat rows 0 .. bs - 1
         t = np.arange(w)
         pos[num_reqs * w : shape.num_reqs * w] = np.tile(t, shape.num_reqs - num_reqs)
@@ -169,28 +162,12 @@ class DecodeGraphs:
 
     def _capture(self, shape: _Shape) -> None:
         """Warm up on a side stream, then capture; the dummy inputs only touch the scratch block."""
+        assert self._capturer is not None
         self._fill_padding(shape, 0)
-        shape.inputs.copy_(shape.staging)
-        torch.cuda.synchronize(self.device)
-        args = (*shape.split(shape.inputs)[:4], shape.num_reqs, shape.width, shape.max_len)
-        side = self._side
-        assert side is not None
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.dense_forward(*args)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # A garbage collection inside the capture can free another runner's graphs, and
-        # destroying a graph while a stream captures invalidates the capture (seen on the H200
-        # when a benchmark built its second runner): collect first, then hold the collector off.
-        gc.collect()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                shape.logits, shape.hidden = self.dense_forward(*args)
-        finally:
-            gc.enable()
+        args = (*shape.split(shape.buf.inputs)[:4], shape.num_reqs, shape.width, shape.max_len)
+        graph, (shape.logits, shape.hidden) = self._capturer.capture(
+            shape.buf, lambda: self.dense_forward(*args)
+        )
         shape.graph = graph
         self.num_captured += 1
         log.debug(
@@ -215,10 +192,8 @@ class DecodeGraphs:
         w = max(num_tokens)
         b, max_len = self._buckets(num_reqs, start_positions)
         shape = self._shape(b, w, max_len)
-        if shape.copied is not None:
-            shape.copied.synchronize()  # the last copy out of the staging buffer has finished
         cache = self.kv_cache
-        _ids, pos, slot_mapping, slot_idx, dest = (t.numpy() for t in shape.split(shape.staging))
+        _ids, pos, slot_mapping, slot_idx, dest = (t.numpy() for t in shape.split(shape.buf.host()))
         self._fill_padding(shape, num_reqs)
         starts = np.asarray(start_positions, np.int64)
         slots_np = np.asarray(slots, np.int64)
@@ -232,11 +207,8 @@ class DecodeGraphs:
         cu = np.concatenate([[0], np.cumsum(counts)])
         total = int(cu[-1])
         dest[:total] = np.repeat(np.arange(num_reqs) * w - cu[:-1], counts) + np.arange(total)
-        shape.inputs.copy_(shape.staging, non_blocking=True)
-        if self.device.type == "cuda":
-            shape.copied = torch.cuda.Event()
-            shape.copied.record()
-        d_ids, d_pos, d_map, d_slots, d_dest = shape.split(shape.inputs)
+        shape.buf.send()
+        d_ids, d_pos, d_map, d_slots, d_dest = shape.split(shape.buf.inputs)
         d_dest = d_dest[:total]
         d_ids[d_dest] = input_ids
         if shape.graph is not None:

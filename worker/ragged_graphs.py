@@ -20,7 +20,6 @@ logits are one row, not the chunk's). Host inputs travel in one pinned buffer an
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from worker.attention import PagedMetadata, kernel_metadata
+from worker.graph_capture import GraphCapture, StagedInputs
 from worker.kv_cache import KVCache
 
 log = logging.getLogger("specd.worker")
@@ -54,10 +54,8 @@ def token_buckets(smallest: int, max_tokens: int) -> list[int]:
 class _Graph:
     num_tokens: int  # T, the bucket
     # device int64: positions [T] | slot_mapping [T] | query_start [B + 1] | slot_idx [B]
-    inputs: torch.Tensor
-    staging: torch.Tensor  # its host twin (pinned)
+    buf: StagedInputs
     input_ids: torch.Tensor  # [T], filled on the device from the step's ids
-    copied: torch.cuda.Event | None = None
     graph: torch.cuda.CUDAGraph | None = None
     hidden: torch.Tensor | None = None
 
@@ -86,8 +84,7 @@ class RaggedGraphs:
         self.num_reqs = kv_cache.max_num_seqs
         self.use_graphs = use_graphs and device.type == "cuda"
         self._graphs: dict[int, _Graph] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._side = torch.cuda.Stream(device) if self.use_graphs else None
+        self._capturer = GraphCapture(device) if self.use_graphs else None
         self.num_captured = 0
         self.num_forwards = 0
         self.last_rows: torch.Tensor | None = None  # the last forward's tokens' cache rows
@@ -96,7 +93,7 @@ class RaggedGraphs:
         return 0 < total_tokens <= self.buckets[-1] and 0 < num_reqs <= self.num_reqs
 
     def _meta(self, g: _Graph) -> tuple[torch.Tensor, PagedMetadata]:
-        pos, slot_mapping, query_start, slot_idx = g.split(g.inputs, self.num_reqs)
+        pos, slot_mapping, query_start, slot_idx = g.split(g.buf.inputs, self.num_reqs)
         cache = self.kv_cache
         meta = kernel_metadata(
             cache, slot_mapping, cache.blocks.table[slot_idx], query_start, pos, unowned_rows=True
@@ -108,11 +105,9 @@ class RaggedGraphs:
         if g is not None:
             return g
         size = 2 * num_tokens + 2 * self.num_reqs + 1
-        pin = self.device.type == "cuda"
         g = _Graph(
             num_tokens,
-            torch.zeros(size, dtype=torch.long, device=self.device),
-            torch.zeros(size, dtype=torch.long, pin_memory=pin),
+            StagedInputs(size, self.device),
             torch.zeros(num_tokens, dtype=torch.long, device=self.device),
         )
         self._graphs[num_tokens] = g
@@ -129,9 +124,9 @@ class RaggedGraphs:
         return len(self._graphs) if self.use_graphs else 0
 
     def _fill(self, g: _Graph, slots: list[int], starts: list[int], counts: list[int]) -> int:
-        """The step's layout into ``g.staging``; returns the real token count."""
+        """The step's layout into ``g.buf.staging``; returns the real token count."""
         cache, b = self.kv_cache, self.num_reqs
-        pos, slot_mapping, query_start, slot_idx = (t.numpy() for t in g.split(g.staging, b))
+        pos, slot_mapping, query_start, slot_idx = (t.numpy() for t in g.split(g.buf.staging, b))
         c = np.asarray(counts, np.int64)
         total = int(c.sum())
         n = len(slots)
@@ -152,24 +147,11 @@ class RaggedGraphs:
     def _capture(self, g: _Graph) -> None:
         """Warm up on a side stream, then capture; the dummy layout only touches the scratch
         block (one request of no tokens: every token is padding)."""
+        assert self._capturer is not None
         self._fill(g, [], [], [])
-        g.inputs.copy_(g.staging)
-        torch.cuda.synchronize(self.device)
-        side = self._side
-        assert side is not None
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self.backbone(g.input_ids, *self._meta(g))
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        gc.collect()  # as decode_graphs.py: no collection (freeing other graphs) mid-capture
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                g.hidden = self.backbone(g.input_ids, *self._meta(g))
-        finally:
-            gc.enable()
+        graph, g.hidden = self._capturer.capture(
+            g.buf, lambda: self.backbone(g.input_ids, *self._meta(g))
+        )
         g.graph = graph
         self.num_captured += 1
         log.debug("captured a ragged graph: %d tokens", g.num_tokens)
@@ -187,13 +169,9 @@ class RaggedGraphs:
         total = sum(num_tokens)
         bucket = next(n for n in self.buckets if n >= total)
         g = self._graph(bucket)
-        if g.copied is not None:
-            g.copied.synchronize()  # the last copy out of the staging buffer has finished
+        g.buf.host()  # (the last copy out of the staging buffer has finished)
         self._fill(g, slots, start_positions, num_tokens)
-        g.inputs.copy_(g.staging, non_blocking=True)
-        if self.device.type == "cuda":
-            g.copied = torch.cuda.Event()
-            g.copied.record()
+        g.buf.send()
         g.input_ids[:total].copy_(input_ids)
         if g.graph is not None:
             g.graph.replay()
@@ -201,6 +179,6 @@ class RaggedGraphs:
             hidden = g.hidden
         else:
             hidden = self.backbone(g.input_ids, *self._meta(g))
-        self.last_rows = g.split(g.inputs, self.num_reqs)[1][:total]  # the tokens' cache rows
+        self.last_rows = g.split(g.buf.inputs, self.num_reqs)[1][:total]  # the tokens' cache rows
         # a copy: the graph's output buffer is overwritten by the next replay
         return hidden[:total].clone()

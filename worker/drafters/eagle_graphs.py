@@ -23,7 +23,6 @@ work follows each token's own position (the drafter uses this layout where it ru
 
 from __future__ import annotations
 
-import gc
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from worker.decode_graphs import BATCH_BUCKETS
+from worker.graph_capture import GraphCapture, StagedInputs
 from worker.kv_cache import KVCache
 
 log = logging.getLogger("specd.worker")
@@ -48,9 +48,7 @@ class _Shape:
     num_reqs: int  # B: the batch bucket
     num_drafts: int  # K
     width: int  # W: catch-up pairs per request
-    inputs: torch.Tensor  # device int64, the parts of ``split``
-    staging: torch.Tensor  # its host twin (pinned on CUDA)
-    copied: torch.cuda.Event | None = None
+    buf: StagedInputs  # int64, the parts of ``split``
     graph: torch.cuda.CUDAGraph | None = None
     drafts: torch.Tensor | None = None  # [B, K] the captured output
 
@@ -80,8 +78,7 @@ class EagleGraphs:
         self.device = device
         self.use_graphs = use_graphs and device.type == "cuda"
         self._shapes: dict[tuple[int, int], _Shape] = {}
-        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
-        self._side = torch.cuda.Stream(device) if self.use_graphs else None
+        self._capturer = GraphCapture(device) if self.use_graphs else None
         self.num_captured = 0
         self.num_runs = 0
 
@@ -95,14 +92,7 @@ class EagleGraphs:
         if shape is not None:
             return shape
         size = 4 * num_reqs * self.width + 2 * num_reqs * k
-        pin = self.device.type == "cuda"
-        shape = _Shape(
-            num_reqs,
-            k,
-            self.width,
-            torch.zeros(size, dtype=torch.long, device=self.device),
-            torch.zeros(size, dtype=torch.long, pin_memory=pin),
-        )
+        shape = _Shape(num_reqs, k, self.width, StagedInputs(size, self.device))
         self._shapes[key] = shape
         if self.use_graphs:
             self._capture(shape)
@@ -123,7 +113,7 @@ class EagleGraphs:
         """Rows past the real requests: dummy requests on the scratch slot."""
         b, w, k = shape.num_reqs, shape.width, shape.num_drafts
         tok, feat, pos, smap, slot_idx, last, dpos, dmap = (
-            t.numpy() for t in shape.split(shape.staging)
+            t.numpy() for t in shape.split(shape.buf.staging)
         )
         bs = self.kv_cache.block_size  # the scratch block holds flat rows 0 .. bs - 1
         pad = slice(num_reqs * w, b * w)
@@ -138,30 +128,14 @@ class EagleGraphs:
             dmap[j * b + num_reqs : (j + 1) * b] = j % bs
 
     def _run_body(self, shape: _Shape) -> torch.Tensor:
-        parts = shape.split(shape.inputs)
+        parts = shape.split(shape.buf.inputs)
         return self.body(*parts, shape.num_reqs, shape.width, shape.num_drafts)
 
     def _capture(self, shape: _Shape) -> None:
         """Warm up on a side stream, then capture; the dummy inputs only touch scratch rows."""
+        assert self._capturer is not None
         self._fill_padding(shape, 0)
-        shape.inputs.copy_(shape.staging)
-        torch.cuda.synchronize(self.device)
-        side = self._side
-        assert side is not None
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._run_body(shape)
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        # as DecodeGraphs._capture: no garbage collection may destroy a graph mid-capture
-        gc.collect()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self._pool):
-                shape.drafts = self._run_body(shape)
-        finally:
-            gc.enable()
+        graph, shape.drafts = self._capturer.capture(shape.buf, lambda: self._run_body(shape))
         shape.graph = graph
         self.num_captured += 1
         log.debug(
@@ -189,11 +163,9 @@ class EagleGraphs:
         assert n and counts.min() >= 1 and counts.max() <= self.width, "catch up first"
         self.num_runs += 1
         shape = self._shape(self._bucket(n), k)
-        if shape.copied is not None:
-            shape.copied.synchronize()  # the last copy out of the staging buffer has finished
         b, w = shape.num_reqs, shape.width
         tok, feat, pos, smap, slot_idx, last, dpos, dmap = (
-            t.numpy() for t in shape.split(shape.staging)
+            t.numpy() for t in shape.split(shape.buf.host())
         )
         self._fill_padding(shape, n)
         top = self.kv_cache.max_model_len - 1
@@ -216,10 +188,7 @@ class EagleGraphs:
             p = lengths - 1 + j
             dpos[j * b : j * b + n] = np.minimum(p, top)
             dmap[j * b : j * b + n] = blocks.cache_rows(slots, p)
-        shape.inputs.copy_(shape.staging, non_blocking=True)
-        if self.device.type == "cuda":
-            shape.copied = torch.cuda.Event()
-            shape.copied.record()
+        shape.buf.send()
         if shape.graph is not None:
             shape.graph.replay()
             assert shape.drafts is not None
