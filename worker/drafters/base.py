@@ -61,6 +61,24 @@ class Drafter(ABC):
         committed, their hidden states given through ``observe``."""
 
 
+def proposal_buffers(
+    states: RequestStates,
+    slots: list[int],
+    widths: list[int],
+    vocab_size: int,
+    device: torch.device,
+) -> tuple[list[int], torch.Tensor, torch.Tensor | None]:
+    """What a model drafter's ``propose`` starts from: the indices of the requests with a
+    width (``active``), the drafts [B, max(K, 1)] (zeros) and, when any active request samples,
+    its draft distributions [B, max(K, 1), vocab_size] (zeros; else None)."""
+    k = max(max(widths, default=0), 1)
+    active = [i for i, w in enumerate(widths) if w > 0]
+    out = torch.zeros((len(slots), k), dtype=torch.long, device=device)
+    sampled = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
+    probs = torch.zeros((len(slots), k, vocab_size), device=device) if sampled else None
+    return active, out, probs
+
+
 def choose_tokens(
     states: RequestStates, slots: list[int], logits: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from worker.drafters.base import Drafter, Proposal, choose_tokens
+from worker.drafters.base import Drafter, Proposal, choose_tokens, proposal_buffers
 from worker.drafters.catch_up import executor_forward, forward_in_chunks
 from worker.host_copy import HostCopy, to_device
 from worker.model_executor import ModelExecutor
@@ -72,15 +72,8 @@ class DraftModelDrafter(Drafter):
     def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
         ex = self.executor
         device = ex.device
-        active = [i for i, k in enumerate(widths) if k > 0]
         kmax = max(widths, default=0)
-        out = torch.zeros((len(slots), max(kmax, 1)), dtype=torch.long, device=device)
-        sampled_rows = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
-        probs = (
-            torch.zeros((len(slots), max(kmax, 1), self.vocab_size), device=device)
-            if sampled_rows
-            else None
-        )
+        active, out, probs = proposal_buffers(states, slots, widths, self.vocab_size, device)
         if not active:
             return Proposal(out, [0] * len(slots), probs)
 

@@ -28,7 +28,7 @@ from worker.attention import (
     build_metadata,
 )
 from worker.block_table import BlockTable
-from worker.drafters.base import Drafter, Proposal, choose_tokens
+from worker.drafters.base import Drafter, Proposal, choose_tokens, proposal_buffers
 from worker.drafters.catch_up import forward_in_chunks
 from worker.drafters.eagle_graphs import EagleGraphs
 from worker.eagle_head import EagleHead
@@ -378,14 +378,8 @@ class EagleDrafter(Drafter):
     def propose(self, states: RequestStates, slots: list[int], widths: list[int]) -> Proposal:
         device = self.device
         kmax = max(widths, default=0)
-        out = torch.zeros((len(slots), max(kmax, 1)), dtype=torch.long, device=device)
-        active = [i for i, k in enumerate(widths) if k > 0]
-        sampled = any(states.sampling[slots[i]].temperature > 0 for i in active)  # type: ignore[union-attr]
-        probs = (
-            torch.zeros((len(slots), max(kmax, 1), self.vocab_size), device=device)
-            if sampled
-            else None
-        )
+        active, out, probs = proposal_buffers(states, slots, widths, self.vocab_size, device)
+        sampled = probs is not None
         if not active:
             return Proposal(out, [0] * len(slots), probs)
         # Catch up: pairs (f_t, x_{t+1}) for t = num_computed .. L-2 of every active request.
