@@ -4,6 +4,7 @@ greedy output stays equal to target-only greedy while it changes widths."""
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -509,47 +510,60 @@ def test_a_buckets_times_follow_every_new_step() -> None:
     assert bucket.seconds[1] == pytest.approx(before[1])
 
 
+def drive(
+    tuner: SpeculationTuner,
+    n: int,
+    alpha: float,
+    decisions: int,
+    seconds: Callable[[int, int], float],
+) -> list[int]:
+    """``decisions`` steps at batch ``n`` as the scheduler drives the tuner (each request with
+    acceptance ``alpha`` and its own width 4): a step verifies what the last one proposed and
+    takes ``seconds(verified K, proposed)``. Returns each step's verified K."""
+    avail, ks = 0, []
+    for _ in range(decisions):
+        k = tuner.choose([alpha] * n, [avail] * n)
+        p = tuner.propose([alpha] * n, [4] * n)
+        tuner.observe_step(n, 1 + k, seconds(k, p), p)
+        avail = p
+        ks.append(k)
+    return ks
+
+
 def test_a_no_drafts_end_measured_slow_is_measured_again_soon() -> None:
     """The no-drafts end's first steps ran three times slow (a ramp-up's prefill at c=64, where
     a served EAGLE row then drafted at width 1 for 364 of its 381 steps, its no-drafts time at
     9.1 ms against 3.7 ms drafting): while that end has few samples, or a re-measurement moved
     its time, it is measured again 8 decisions later, and the tuner stops drafting within a few
     dozen decisions (64 apart, the first 300 decisions drafted 253 times)."""
-    tuner = SpeculationTuner(4)
-    n, avail, ks, slow = 48, 0, [], 2
-    for _ in range(300):
-        k = tuner.choose([0.3] * n, [avail] * n)
-        p = tuner.propose([0.3] * n, [4] * n)
-        seconds = 1.0 + 0.5 * k  # drafting loses: 1.3 tokens for 1.5x the time at best
-        if k == 0 and p == 0 and slow:
-            seconds, slow = 3.0, slow - 1
-        tuner.observe_step(n, 1 + k, seconds, p)
-        avail = p
-        ks.append(k)
+    slow = [2]
+
+    def seconds(k: int, p: int) -> float:
+        if k == 0 and p == 0 and slow[0]:
+            slow[0] -= 1
+            return 3.0
+        return 1.0 + 0.5 * k  # drafting loses: 1.3 tokens for 1.5x the time at best
+
+    ks = drive(SpeculationTuner(4), 48, 0.3, 300, seconds)
     assert sum(k > 0 for k in ks) <= 40, ks
     assert ks[-200:].count(0) >= 198, ks
 
 
 def test_a_losing_drafting_end_whose_time_moves_is_not_re_measured_soon() -> None:
-    """A re-measurement of the drafting end runs the catch-up of the backlog that built up
-    while drafting was off, so its time moves with the wait. Only the no-drafts end (a step
-    that costs no more than the chosen one) is measured again soon when its time moved: the
-    drafting end's re-measurements stay at least 64 decisions apart (8 apart, EAGLE at c=64
-    spent about a third of a step's time on them)."""
-    tuner = SpeculationTuner(4)
-    n, avail, turns = 48, 0, 0
-    drafting_steps = []
-    for i in range(1000):
-        k = tuner.choose([0.3] * n, [avail] * n)
-        p = tuner.propose([0.3] * n, [4] * n)
-        seconds = 1.0
-        if k:
-            turns += 1
-            seconds = 3.0 if turns % 2 else 4.5  # moves by half at every re-measurement
-        tuner.observe_step(n, 1 + k, seconds, p)
-        avail = p
-        if k:
-            drafting_steps.append(i)
+    """A losing drafter's end whose re-measured time swings by half each time: only the
+    no-drafts end (a step that costs no more than the chosen one) is measured again soon after
+    a re-measurement made it cheaper; the drafting end's re-measurements stay at least 64
+    decisions apart (each costs the drafter's catch-up and its steps)."""
+    turns = [0]
+
+    def seconds(k: int, p: int) -> float:
+        if not k:
+            return 1.0
+        turns[0] += 1
+        return 3.0 if turns[0] % 2 else 4.5
+
+    ks = drive(SpeculationTuner(4), 48, 0.3, 1000, seconds)
+    drafting_steps = [i for i, k in enumerate(ks) if k]
     gaps = np.diff(drafting_steps[2:]).tolist()  # after the first measurement of both ends
     assert gaps and min(gaps) >= EXPLORE_EVERY, gaps
 
@@ -558,20 +572,16 @@ def test_an_end_that_grows_dearer_confirms_the_choice() -> None:
     """Each re-measurement finds a losing drafter's end 30% dearer than the last: that confirms
     drafting nothing, and the waits double (taken as a surprise, every move reset them to 64
     decisions, 46 re-measurements in 3,000 decisions)."""
-    tuner = SpeculationTuner(4)
-    n, avail, m = 48, 0, 0
-    drafting_steps = []
-    for i in range(3000):
-        k = tuner.choose([0.3] * n, [avail] * n)
-        p = tuner.propose([0.3] * n, [4] * n)
-        seconds = 1.0
-        if k:
-            seconds, m = 3.0 * 1.3**m, m + 1
-        tuner.observe_step(n, 1 + k, seconds, p)
-        avail = p
-        if k:
-            drafting_steps.append(i)
-    gaps = np.diff(drafting_steps).tolist()
+    dearer = [0]
+
+    def seconds(k: int, p: int) -> float:
+        if not k:
+            return 1.0
+        dearer[0] += 1
+        return 3.0 * 1.3 ** (dearer[0] - 1)
+
+    ks = drive(SpeculationTuner(4), 48, 0.3, 3000, seconds)
+    gaps = np.diff([i for i, k in enumerate(ks) if k]).tolist()
     assert len(gaps) <= 8 and gaps[1:] == sorted(gaps[1:]) and gaps[-1] >= 512, gaps
 
 
@@ -580,18 +590,9 @@ def test_from_a_width_in_between_both_ends_are_re_measured() -> None:
     pays again: the tuner follows each change (from a width in between the two ends are
     re-measured by turns, so neither end's time stays stale)."""
     tuner = SpeculationTuner(4)
-    n, avail = 16, 0
 
     def steps(count: int, alpha: float, per_width: float) -> list[int]:
-        nonlocal avail
-        ks = []
-        for _ in range(count):
-            k = tuner.choose([alpha] * n, [avail] * n)
-            p = tuner.propose([alpha] * n, [4] * n)
-            tuner.observe_step(n, 1 + k, 1.0 + per_width * k, p)
-            avail = p
-            ks.append(k)
-        return ks
+        return drive(tuner, 16, alpha, count, lambda k, p: 1.0 + per_width * k)
 
     assert steps(3000, 0.8, 0.05)[-100:].count(4) >= 95
     assert steps(400, 0.7, 0.3)[-100:].count(2) >= 90
