@@ -146,6 +146,9 @@ if has serve; then
       --scheduler-args "${SERVE_SCHED_ARGS:-}" \
       --log-dir "$OUT/serve_logs_$m" --json-out "$OUT/serve_$m.json" > "$OUT/serve_$m.log" 2>&1
     grep "^|\|^floors" "$OUT/serve_$m.log" || tail -5 "$OUT/serve_$m.log"
+    # the tuner's steps per row (--step-trace), then the logs as one file (few files come back)
+    python3 bench/step_trace.py "$OUT/serve_$m.json" > "$OUT/trace_$m.txt" 2>&1
+    tar -C "$OUT" -czf "$OUT/serve_logs_$m.tgz" "serve_logs_$m" && rm -rf "$OUT/serve_logs_$m"
   done
 fi
 if has prep; then

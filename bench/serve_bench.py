@@ -193,6 +193,10 @@ def served(
         sched_cmd += ["--port", "0"]
         sched_cmd += ["--async-scheduling"] if mode in ("overlap", "pipelined") else []
         sched_cmd += shlex.split(a.scheduler_args)
+        if a.log_dir:  # every step's sizes, widths and time (bench/step_trace.py reads it)
+            trace = Path(a.log_dir) / f"trace-{drafter}-{mode}.jsonl"
+            trace.unlink(missing_ok=True)
+            sched_cmd += ["--step-trace", str(trace)]
         # a new file: wait_ready reads the first "ready" line in it (an old run's would name
         # another port when --log-dir is reused)
         sched = subprocess.Popen(sched_cmd, stderr=open(sched_log, "wb"))  # noqa: SIM115
@@ -226,12 +230,14 @@ def served(
                     if a.requests_per_client and c
                     else bodies
                 )
+                t0 = time.time()
                 results, wall, client_cpu = (
                     closed_loop(port, some, c, client_procs(a, c))
                     if c
                     else poisson(port, bodies, a.rate, a.seed)
                 )
                 row = {"path": "served", "drafter": drafter, "mode": mode, "load": name}
+                row["span"] = [round(t0, 3), round(time.time(), 3)]  # the step trace's lines
                 after, wafter = scrape(port), scrape(wport, "specd_worker_")
                 cpu = cpu_seconds(sched.pid) - cpu0[0], cpu_seconds(worker.pid) - cpu0[1]
                 http_cpu = (http and cpu_seconds(http)) - cpu0[2]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import json
 import logging
 import os
 import subprocess
@@ -78,6 +79,8 @@ class EngineConfig:
     stall_threshold_s: float = 60.0
     metrics_port: int = 0  # Prometheus endpoint of the scheduler (0: off; -1: any free port)
     metrics_host: str = "127.0.0.1"  # the address it binds (the daemon passes its --host)
+    # a JSON line per step output: its size, widths, prefill, time and the drafts it judged
+    step_trace: str | None = None
     # CURVE keys for a tcp:// worker_addr (launched workers use ipc:// and need none)
     transport: TransportConfig = field(default_factory=TransportConfig)
 
@@ -156,6 +159,12 @@ class Engine:
         # overlap: steps after the current one that the worker could not read, with their culprits
         self._lost: dict[int, tuple[list[str], str]] = {}
         self._ended: list[Request] = []  # requests a step fault ended, returned by step()
+        # closed in close(); line-buffered, so a killed scheduler leaves whole lines
+        self._trace = (
+            open(config.step_trace, "a", buffering=1)  # noqa: SIM115
+            if config.step_trace
+            else None
+        )
 
     def _client(self) -> WorkerClient:
         return WorkerClient(
@@ -419,13 +428,32 @@ class Engine:
         full width whatever it cost (the draft model served at 0.38x no drafts)."""
         tuner = self.scheduler.tuner
         counts = sched.num_scheduled_tokens
-        if tuner is None or not len(counts):
+        if (tuner is None and self._trace is None) or not len(counts):
             return
         own = counts - sched.num_draft_tokens  # each request's tokens other than its drafts
         prefill = int(own[own > 1].sum())
         ran = out.num_draft_tokens
         width = 1 + (int(ran.max()) if len(ran) else 0)
-        tuner.observe_step(len(counts), width, seconds, sched.max_draft_proposals, prefill)
+        if tuner is not None:
+            tuner.observe_step(len(counts), width, seconds, sched.max_draft_proposals, prefill)
+        if self._trace is not None:
+            self._trace.write(
+                json.dumps(
+                    {
+                        "t": round(time.time(), 4),
+                        "step": sched.step_id,
+                        "reqs": len(counts),
+                        "cap": int(sched.num_draft_tokens.max()),
+                        "width": width,
+                        "proposals": sched.max_draft_proposals,
+                        "prefill": prefill,
+                        "ms": round(seconds * 1e3, 3),
+                        "drafts": int(ran.sum()),
+                        "accepted": int(out.num_accepted.sum()),
+                    }
+                )
+                + "\n"
+            )
 
     def _recover(self, cause: WorkerDied) -> None:
         """A new worker (relaunched, or the next one to appear at worker_addr), a new handshake,
@@ -521,6 +549,10 @@ class Engine:
 
     # -- lifetime ---------------------------------------------------------------------------------
     def close(self) -> None:
+        trace = getattr(self, "_trace", None)
+        if trace is not None:
+            trace.close()
+            self._trace = None
         client = getattr(self, "client", None)
         if client is not None:
             if self.proc is not None and self.proc.poll() is None:

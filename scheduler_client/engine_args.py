@@ -84,6 +84,13 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
     ap.add_argument(
+        "--step-trace",
+        default=None,
+        help="append one JSON line per step output to this file: its requests, draft cap and "
+        "the widest drafts it ran, the drafts asked for after it, prefill tokens, the worker's "
+        "time for it (ms), drafts run and accepted (what the speculation tuner saw)",
+    )
+    ap.add_argument(
         "--max-worker-restarts",
         type=int,
         default=3,
@@ -126,6 +133,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         worker_max_num_batched_tokens=a.max_num_batched_tokens,
         grammar_backend=a.grammar_backend,
         worker_log=a.worker_log,
+        step_trace=a.step_trace,
         max_worker_restarts=a.max_worker_restarts,
         restart_window_s=a.restart_window_s,
         stall_threshold_s=a.stall_threshold_s,

@@ -116,6 +116,7 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
         worker_args=("--metrics-port", "-1"),  # -1: any free port, logged
         worker_log=str(log),
         metrics_port=-1,
+        step_trace=str(tmp_path / "steps.jsonl"),
     )
     with Engine(cfg) as e:
         reqs = e.generate(
@@ -144,6 +145,14 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     # "yes" is the only choice: its tokens are forced, and offered as drafts
     forced = sum(r.metrics.num_forced for r in reqs)
     assert forced > 0 and s["specd_scheduler_grammar_forced_drafts_total"] == forced
+    # --step-trace: a line per step output that ran requests (not one that only frees them),
+    # whose drafts add up to the worker's count
+    trace = [json.loads(x) for x in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert 0 < len(trace) <= w["specd_worker_steps_total"]
+    assert [x["step"] for x in trace] == sorted({x["step"] for x in trace})
+    assert sum(x["drafts"] for x in trace) == w["specd_worker_draft_tokens_total"]
+    assert all(x["ms"] > 0 and 1 <= x["width"] <= 5 and x["reqs"] >= 1 for x in trace)
+    assert any(x["prefill"] > 0 for x in trace)
 
 
 def test_worker_frees_requests_of_a_dead_scheduler(tmp_path: Path) -> None:
