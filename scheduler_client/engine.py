@@ -450,6 +450,10 @@ class Engine:
                         "ms": round(seconds * 1e3, 3),
                         "drafts": int(ran.sum()),
                         "accepted": int(out.num_accepted.sum()),
+                        # the tuner's verify width for it (-1: none made), the decoding
+                        # requests with drafts to verify, all decoding requests, and why it
+                        # proposed what it did after it (spec_tuner.py: hold, ends, explore, best)
+                        "choice": self.scheduler.choices.get(sched.step_id, (-1, 0, 0, "")),
                     }
                 )
                 + "\n"

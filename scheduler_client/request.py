@@ -49,8 +49,9 @@ class Request:
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     num_judged: int = 0  # drafts the target judged (accepted ones + the first rejected)
     # the share of the drafts asked for that the drafter proposed for this request, a moving
-    # average (an n-gram lookup finds a match for some requests, a model drafts for all)
-    draft_hits: float = 1.0
+    # average (an n-gram lookup finds a match for some requests, a model drafts for all); None
+    # until the first ask: the scheduler's pooled share over recent requests stands in
+    draft_hits: float | None = None
     # overlap scheduling: steps sent whose output has not arrived
     num_inflight: int = 0  # non-draft tokens they run
     pending_samples: int = 0  # how many of them sample this request

@@ -103,6 +103,7 @@ class WorkerLimits:
 # the token budget when neither the user nor the worker (protocol minor < 2) names one
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 DRAFT_HITS_EMA = 0.25  # weight of a step in a request's draft hit rate (Request.draft_hits)
+HITS_POOL_KEEP = 0.995  # the pooled hit rate's counts kept this much a request's ask
 
 
 def resolve_limits(config: SchedulerConfig, limits: WorkerLimits) -> tuple[int, int]:
@@ -157,6 +158,17 @@ class Scheduler:
         # then the last step settled's, for its drafts, which follow its output (draft_hits)
         self.proposal_caps: dict[int, int] = {}
         self.last_settled_asked = 0
+        # asks of recent requests and the share of each the drafter found, decayed: the hit rate
+        # of a request never asked yet (under arrivals at c=64 most are new, and with 1.0 each
+        # a prompt-lookup drafter that finds little was asked again and again for drafts the
+        # tuner would not verify)
+        self._hits_asked = 0.0
+        self._hits_found = 0.0
+        # step_id -> (the tuner's verify width for it, -1: no choice made; the decoding requests
+        # with drafts to verify; all decoding requests; why it proposed what it did), while in
+        # flight (--step-trace)
+        self.choices: dict[int, tuple[int, int, int, str]] = {}
+        self._choice = (-1, 0, 0)
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
             SpeculationTuner(limits.max_num_speculative_tokens)
@@ -423,6 +435,8 @@ class Scheduler:
         self.to_free, self.to_abort = [], []
         self.steps[self.step_id] = (scheduled, sampling)
         self.proposal_caps[self.step_id] = out.max_draft_proposals
+        if self.tuner is not None:
+            self.choices[self.step_id] = (*self._choice, self.tuner.reason)
         self.step_id += 1
         return out
 
@@ -455,6 +469,7 @@ class Scheduler:
         """Remove a step from the in-flight books; returns its (scheduled, drafts) per request."""
         step, sampling = self.steps.pop(step_id, ({}, set()))
         self.last_settled_asked = self.proposal_caps.pop(step_id, 0)
+        self.choices.pop(step_id, None)
         if self.config.async_scheduling:
             for req_id, (n, w) in step.items():
                 req = self.requests.get(req_id)
@@ -493,12 +508,22 @@ class Scheduler:
         ]
         if not any(avail):
             self.tuner.skip_choice()
+            self._choice = (-1, 0, len(decoding))
             return 0
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
         # a request whose drafts are not back yet (overlap) verifies what the drafter finds
         # for it: its hit rate; one whose drafts are here verifies them
-        hits = [r.draft_hits if r.pending_samples else 1.0 for r in decoding]
-        return self.tuner.choose(alphas, avail, hits)
+        hits = [self._hits(r) if r.pending_samples else 1.0 for r in decoding]
+        choice = self.tuner.choose(alphas, avail, hits)
+        self._choice = (choice, sum(1 for a in avail if a), len(decoding))
+        return choice
+
+    def _hits(self, req: Request) -> float:
+        """The share of the drafts asked for that the drafter finds for ``req``: its own moving
+        average once asked, before that the pooled share of recent asks (1.0 before any)."""
+        if req.draft_hits is not None:
+            return req.draft_hits
+        return self._hits_found / self._hits_asked if self._hits_asked >= 1.0 else 1.0
 
     def _proposals(self, sampling: set[str]) -> int:
         """The most drafts the worker proposes after this step (the tuner's choice; -1: each
@@ -507,7 +532,7 @@ class Scheduler:
             return -1
         reqs = [self.requests[r] for r in sampling]
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in reqs]
-        hits = [r.draft_hits for r in reqs]
+        hits = [self._hits(r) for r in reqs]
         return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs], hits)
 
     def update(self, out: ModelRunnerOutput) -> list[Request]:
@@ -641,7 +666,11 @@ class Scheduler:
             )
             want = min(want, self.limits.max_model_len - req.num_tokens)
             if want > 0:  # how much of what was asked the drafter found for this request
-                req.draft_hits += DRAFT_HITS_EMA * (min(w / want, 1.0) - req.draft_hits)
+                found = min(w / want, 1.0)
+                h = self._hits(req)
+                req.draft_hits = h + DRAFT_HITS_EMA * (found - h)
+                self._hits_asked = HITS_POOL_KEEP * self._hits_asked + 1.0
+                self._hits_found = HITS_POOL_KEEP * self._hits_found + found
             try:
                 self._take_request_drafts(req, ids)
             except Exception as e:

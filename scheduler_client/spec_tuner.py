@@ -210,6 +210,7 @@ class SpeculationTuner:
         # drafts the next step verifies (a measurement's second step: the step after a proposal
         # verifies it, whatever bucket its batch falls in), -1: the tuner's choice
         self._verify = -1
+        self.reason = ""  # why ``propose`` chose its last width (hold, ends, explore, best)
 
     @property
     def prior(self) -> float:
@@ -252,11 +253,13 @@ class SpeculationTuner:
         verify. Zero when speculation does not pay: then the drafter does no work."""
         top = min(self.max_k, max(caps, default=0))
         if top <= 0:
+            self.reason = "none"
             return 0
         bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
         bucket.decisions += 1
         if bucket.hold >= 0:  # the second step of a measurement: propose, then verify as much
             k, bucket.hold = bucket.hold, -1
+            self.reason = "hold"
             return k
         known = bucket.seconds
         if 1 + top not in known and 1 in known:
@@ -265,6 +268,7 @@ class SpeculationTuner:
         for width in (1, 1 + top):  # measure both ends first
             if width not in known:
                 bucket.hold = self._verify = width - 1
+                self.reason = "ends"
                 return width - 1
         rates = self._rates(known, alphas, caps, top, hits)
         best_k = self._best(rates)
@@ -316,7 +320,9 @@ class SpeculationTuner:
             bucket.explored_time = known[1 + k]
             bucket.explored_samples = 0 if fit is None else fit.n
             bucket.hold = self._verify = k
+            self.reason = "explore"
             return k
+        self.reason = "best"
         return best_k
 
     @staticmethod

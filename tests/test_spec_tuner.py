@@ -260,7 +260,7 @@ def test_the_engine_counts_steps_with_prompt_chunks_for_the_tuner() -> None:
     """``Engine._observe`` passes a step with a new request and a prompt chunk to the tuner
     with its prefill tokens, at the width the worker ran."""
     tuner = SpeculationTuner(4)
-    engine = SimpleNamespace(scheduler=SimpleNamespace(tuner=tuner))
+    engine = SimpleNamespace(scheduler=SimpleNamespace(tuner=tuner), _trace=None)
     sched = SchedulerOutput(
         step_id=3,
         new_requests=[NewRequest("b", np.arange(3, 40, dtype=np.int32), SamplingParams(), 4)],
@@ -374,10 +374,11 @@ def test_the_served_c64_cost_model_turns_a_losing_draft_model_off() -> None:
     tuner drafted at full width at c=64 and served 0.38x no drafts): at c=64 with arrivals the
     tuner fed every step keeps at least 0.92x no drafts in a row as short as the served ones
     (0.98x over 2,000 requests), where drafting every step makes 0.41x; a cheap drafter keeps
-    its speedup; so does no drafting a losing EAGLE-like head with a mixed-step premium."""
+    its speedup; so does no drafting a losing EAGLE-like head with a mixed-step premium, and one
+    whose drafting costs a fixed catch-up forward and the catch-up of its backlogs."""
     from bench.tuner_sim import PROFILES, simulate
 
-    draft_model, cheap, _, eagle_mixed = PROFILES
+    draft_model, cheap, _, eagle_mixed, eagle_fixed = PROFILES
     base = simulate(draft_model, "none", 64, 300)
     assert simulate(draft_model, "always", 64, 300) < 0.5 * base
     assert simulate(draft_model, "tuner", 64, 300) >= 0.92 * base
@@ -385,6 +386,9 @@ def test_the_served_c64_cost_model_turns_a_losing_draft_model_off() -> None:
     # a losing EAGLE-like head whose mixed steps pay a premium of their own (0.60x every step)
     base = simulate(eagle_mixed, "none", 64, 300)
     assert simulate(eagle_mixed, "tuner", 64, 300) >= 0.9 * base
+    base = simulate(eagle_fixed, "none", 64, 300)
+    assert simulate(eagle_fixed, "always", 64, 300) < 0.6 * base
+    assert simulate(eagle_fixed, "tuner", 64, 300) >= 0.93 * base
 
 
 def test_one_slow_step_does_not_keep_a_paying_drafter_off() -> None:
@@ -470,6 +474,33 @@ def test_the_scheduler_learns_each_requests_draft_hit_rate() -> None:
         s.requests["hit"].draft_ids = s.requests["miss"].draft_ids = np.zeros(0, np.int32)
     assert s.requests["hit"].draft_hits == 1.0
     assert s.requests["miss"].draft_hits < 0.2
+    # a request never asked for drafts stands at the pooled share of recent asks: about half
+    s.add(Request("new", [1, 2, 3], SamplingParams(max_tokens=30), 4))
+    assert s.requests["new"].draft_hits is None
+    assert s._hits(s.requests["new"]) == pytest.approx(0.5, abs=0.02)
+
+
+def test_new_requests_are_not_asked_for_drafts_a_drafter_rarely_finds() -> None:
+    """Under arrivals most requests are new. Counted as finding every draft asked for, a batch
+    of them made the tuner ask a prompt-lookup drafter for drafts it mostly did not find, and
+    the few found were not worth a wider step: the next step verified none (h100, 2026-12-06,
+    dummy 135m, n-gram, sync, c=64: 106 such proposals in 474 steps). With the pooled share of
+    recent asks they are not asked."""
+    limits = WorkerLimits(
+        vocab_size=100, eos_token_ids=(0,), max_model_len=64, max_num_speculative_tokens=4,
+        max_num_seqs=8,
+    )  # fmt: skip
+    s = Scheduler(SchedulerConfig(), limits, None, None)
+    assert s.tuner is not None
+    for _ in range(4):  # both ends of batch 8: four drafts cost half a step more
+        s.tuner.observe_step(8, 1, 1.0, 0)
+        s.tuner.observe_step(8, 5, 1.5, 4)
+    for i in range(8):
+        s.add(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=30), 4))
+    sampling = set(s.requests)
+    assert s._proposals(sampling) > 0  # no ask yet: every draft counted as found
+    s._hits_asked, s._hits_found = 100.0, 10.0  # recent asks found a tenth
+    assert s._proposals(sampling) == 0
 
 
 def test_small_batches_rate_widths_as_the_array_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
