@@ -57,6 +57,8 @@ EXPLORE_SOON = 8  # decisions before the no-drafts end is measured again when it
 MAX_SOON = 3  # re-measurement cut its time (at most this many times in a row: on a noisy host
 # every measurement moves), or while drafting is chosen on fewer than SURE_SAMPLES of its steps
 SURE_SAMPLES = 3
+FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of the requests
+# expected to get drafts got them (else the few found are weighed anew: a wide step for them)
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -211,6 +213,9 @@ class SpeculationTuner:
         # verifies it, whatever bucket its batch falls in), -1: the tuner's choice
         self._verify = -1
         self.reason = ""  # why ``propose`` chose its last width (hold, ends, explore, best)
+        # the last ``best`` proposal: its width and the share of its requests expected to get
+        # drafts (``choose`` verifies it when about that share has them); (0, 0.0): none
+        self._proposed = (0, 0.0)
 
     @property
     def prior(self) -> float:
@@ -252,6 +257,7 @@ class SpeculationTuner:
         the drafts asked for that the drafter finds for it, 1 if None), for the next step to
         verify. Zero when speculation does not pay: then the drafter does no work."""
         top = min(self.max_k, max(caps, default=0))
+        self._proposed = (0, 0.0)
         if top <= 0:
             self.reason = "none"
             return 0
@@ -323,6 +329,11 @@ class SpeculationTuner:
             self.reason = "explore"
             return k
         self.reason = "best"
+        if best_k:
+            share = (
+                1.0 if hits is None else float(np.clip(np.asarray(hits, np.float64), 0, 1).mean())
+            )
+            self._proposed = (best_k, share)
         return best_k
 
     @staticmethod
@@ -362,10 +373,17 @@ class SpeculationTuner:
         top = min(self.max_k, max(caps, default=0))
         bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
         verify, self._verify = self._verify, -1
+        proposed, share = self._proposed
+        self._proposed = (0, 0.0)
         if top <= 0:
             return 0
         if verify >= 0:  # a measurement proposed these drafts to verify them
             return min(verify, top)
+        if proposed and sum(1 for c in caps if c > 0) >= FOLLOW_SHARE * share * len(caps):
+            # proposed to be verified, and their cost is paid: weighed anew on this step's
+            # requests, a near tie left a drafter proposing on every step and the next step
+            # verifying none (EAGLE, sync, c=64: 47 such proposals in 469 steps, h100 2026-12-06)
+            return min(proposed, top)
         known = bucket.seconds
         if 1 + top not in known or 1 not in known:
             return top
@@ -375,6 +393,7 @@ class SpeculationTuner:
         """A step with no drafts to verify: no choice is made, and a measurement's verify width
         (``propose``'s) is used up as ``choose`` would have used it."""
         self._verify = -1
+        self._proposed = (0, 0.0)
 
     @staticmethod
     def _best(rates: list[float]) -> int:
