@@ -103,6 +103,8 @@ class ModelRunner:
         self._last_probs: torch.Tensor | None = None
         self._last_row_of: dict[int, int] = {}
         self._open: list[LaunchedStep] = []  # launched with hold, not finished yet
+        # what a step that asks for no drafts hands the DraftTokensHandler (never read there)
+        self._no_drafts = torch.zeros((0, 1), dtype=torch.long, device=self.device)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -500,11 +502,22 @@ class ModelRunner:
             # not touched
             # (``_hold`` cleared the drafts of every request still in its slot)
             none = np.zeros(len(slots), np.int64)
-            zeros = torch.zeros((len(slots), 1), dtype=torch.long, device=self.device)
-            self.draft_tokens.set_draft_tokens(req_ids, zeros, none, lengths, none.astype(bool))
+            self.draft_tokens.set_draft_tokens(
+                req_ids, self._no_drafts, none, lengths, none.astype(bool)
+            )
             return
         room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
         widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
+        if not any(widths):
+            # nothing asked (the tuner keeps drafting at zero, or no request has room): every
+            # drafter would return an empty proposal; the prompt-lookup one built it in a loop
+            # over the requests and copied it to the device, 41 us a step at batch 64 (CPU)
+            none = np.zeros(len(slots), np.int64)
+            st.num_drafts[slots] = 0
+            self.draft_tokens.set_draft_tokens(
+                req_ids, self._no_drafts, none, lengths, st.structured[slots]
+            )
+            return
         proposal = self.drafter.propose(st, slots, widths)
         num = np.asarray(proposal.num_drafts, np.int64)
         st.num_drafts[slots] = num
