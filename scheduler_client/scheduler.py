@@ -661,21 +661,30 @@ class Scheduler:
                 req.draft_ids = NO_DRAFTS
                 req.last_drafts = None
                 continue
-            want = (
-                req.num_speculative_tokens if asked < 0 else min(asked, req.num_speculative_tokens)
-            )
-            want = min(want, self.limits.max_model_len - req.num_tokens)
-            if want > 0:  # how much of what was asked the drafter found for this request
-                found = min(w / want, 1.0)
-                h = self._hits(req)
-                req.draft_hits = h + DRAFT_HITS_EMA * (found - h)
-                self._hits_asked = HITS_POOL_KEEP * self._hits_asked + 1.0
-                self._hits_found = HITS_POOL_KEEP * self._hits_found + found
             try:
                 self._take_request_drafts(req, ids)
             except Exception as e:
                 # the grammar failed on this request's drafts: it ends, the others take theirs
                 self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
+                continue
+            want = (
+                req.num_speculative_tokens if asked < 0 else min(asked, req.num_speculative_tokens)
+            )
+            want = min(
+                want,
+                self.limits.max_model_len - req.num_tokens,
+                req.sampling.max_tokens - len(req.output_ids) - 1,
+            )
+            if want > 0:
+                # how much of what was asked this request can verify: what the drafter found,
+                # after its grammar (a drafter that ignores the grammar, as a draft model's argmax
+                # does, finds drafts a structured request rejects: asked for on every step, the
+                # next step verified none, 45% of the time of a served c=1 row)
+                found = min(len(req.draft_ids) / want, 1.0)
+                h = self._hits(req)
+                req.draft_hits = h + DRAFT_HITS_EMA * (found - h)
+                self._hits_asked = HITS_POOL_KEEP * self._hits_asked + 1.0
+                self._hits_found = HITS_POOL_KEEP * self._hits_found + found
 
     def _take_request_drafts(self, req: Request, ids: np.ndarray) -> None:
         """Grammar-validate one request's fresh drafts (``ids`` int32 [width])."""
