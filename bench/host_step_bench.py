@@ -2,11 +2,12 @@
 parts (request updates, commit, drafting, the output message) timed around every call of a run at batch ~54 with arrivals (a tiny random Llama on the CPU; the model's own time is not
 in these figures).
 
-    python bench/host_step_bench.py [--drafter none|ngram|eagle0|draft_model] [--requests 200]
+    python bench/host_step_bench.py [--drafter none|ngram|ngram0|eagle0|draft_model] [--requests 200]
 
 ``eagle0`` is a random EAGLE head with every proposal capped at zero, as the scheduler's tuner
 leaves a head that loses: the runner still stores the target's hidden states for it
-(``store_hidden_states``, ``feed_hidden_states``). ``draft_model`` drafts 4 with a tiny random draft model.
+(``store_hidden_states``, ``feed_hidden_states``). ``ngram0`` is prompt lookup capped at zero the
+same way. ``draft_model`` drafts 4 with a tiny random draft model.
 
 54 requests start together, then one arrives about every 1.25 steps as others finish (64 output
 tokens each), so most steps carry a prefill beside ~54 decodes, as the served c=64 rows do.
@@ -39,7 +40,9 @@ from worker.eagle_head import EagleHead, head_config
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--drafter", default="none", choices=("none", "ngram", "eagle0", "draft_model"))
+    ap.add_argument(
+        "--drafter", default="none", choices=("none", "ngram", "ngram0", "eagle0", "draft_model")
+    )
     ap.add_argument("--requests", type=int, default=200)
     a = ap.parse_args()
     spent: dict[str, float] = defaultdict(float)
@@ -68,9 +71,9 @@ def main() -> None:
         )
     else:
         draft = tiny_model("llama", 4, layers=1) if a.drafter == "draft_model" else None
-        drafter = make_drafter(a.drafter, k, model, 64, None, draft, "off", False)
+        drafter = make_drafter(a.drafter.rstrip("0"), k, model, 64, None, draft, "off", False)
     runner = make_runner(model, drafter, k, 64, "off", False)
-    if a.drafter == "eagle0":  # the tuner's answer for a losing head: propose nothing
+    if a.drafter.endswith("0"):  # the tuner's answer for a losing drafter: propose nothing
         propose = runner.propose_drafts
         runner.propose_drafts = lambda batch, cap=-1, *rest: propose(batch, 0, *rest)  # type: ignore[method-assign]
     rng = random.Random(0)

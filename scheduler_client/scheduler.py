@@ -162,8 +162,10 @@ class Scheduler:
         # of a request never asked yet (under arrivals at c=64 most are new, and with 1.0 each
         # a prompt-lookup drafter that finds little was asked again and again for drafts the
         # tuner would not verify)
-        self._hits_asked = 0.0
-        self._hits_found = 0.0
+        # (kept apart for structured requests: a drafter blind to grammars finds drafts that
+        # plain requests verify and structured ones reject; pooled together, each short
+        # structured request was asked on most of its steps before its own rate fell)
+        self._hits_pool = {False: [0.0, 0.0], True: [0.0, 0.0]}  # structured -> [asked, found]
         # step_id -> (the tuner's verify width for it, -1: no choice made; the decoding requests
         # with drafts to verify; all decoding requests; why it proposed what it did), while in
         # flight (--step-trace)
@@ -519,11 +521,13 @@ class Scheduler:
         return choice
 
     def _hits(self, req: Request) -> float:
-        """The share of the drafts asked for that the drafter finds for ``req``: its own moving
-        average once asked, before that the pooled share of recent asks (1.0 before any)."""
+        """The share of the drafts asked for that ``req`` can verify: its own moving average once
+        asked, before that the pooled share of recent asks of requests like it, structured or
+        not (1.0 before any)."""
         if req.draft_hits is not None:
             return req.draft_hits
-        return self._hits_found / self._hits_asked if self._hits_asked >= 1.0 else 1.0
+        asked, found = self._hits_pool[req.matcher is not None]
+        return found / asked if asked >= 1.0 else 1.0
 
     def _proposals(self, sampling: set[str]) -> int:
         """The most drafts the worker proposes after this step (the tuner's choice; -1: each
@@ -683,8 +687,9 @@ class Scheduler:
                 found = min(len(req.draft_ids) / want, 1.0)
                 h = self._hits(req)
                 req.draft_hits = h + DRAFT_HITS_EMA * (found - h)
-                self._hits_asked = HITS_POOL_KEEP * self._hits_asked + 1.0
-                self._hits_found = HITS_POOL_KEEP * self._hits_found + found
+                pool = self._hits_pool[req.matcher is not None]
+                pool[0] = HITS_POOL_KEEP * pool[0] + 1.0
+                pool[1] = HITS_POOL_KEEP * pool[1] + found
 
     def _take_request_drafts(self, req: Request, ids: np.ndarray) -> None:
         """Grammar-validate one request's fresh drafts (``ids`` int32 [width])."""

@@ -499,7 +499,7 @@ def test_new_requests_are_not_asked_for_drafts_a_drafter_rarely_finds() -> None:
         s.add(Request(f"r{i}", [1, 2, 3], SamplingParams(max_tokens=30), 4))
     sampling = set(s.requests)
     assert s._proposals(sampling) > 0  # no ask yet: every draft counted as found
-    s._hits_asked, s._hits_found = 100.0, 10.0  # recent asks found a tenth
+    s._hits_pool[False] = [100.0, 10.0]  # recent asks found a tenth
     assert s._proposals(sampling) == 0
 
 

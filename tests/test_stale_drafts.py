@@ -349,14 +349,19 @@ def test_a_structured_requests_hit_rate_counts_the_drafts_its_grammar_keeps(
     a drafter that ignores the grammar (a draft model's argmax) proposes drafts a structured
     request rejects, and counted as found, the tuner asked for them on every step while the next
     step verified none (45% of a served c=1 row's time, 1B and 135M dummies, sync, h100
-    2026-12-06)."""
+    2026-12-06). A new request starts at the pooled share of requests like it: pooled with plain
+    requests, each short structured one was asked on most of its steps (CPU, tiny dummies)."""
     s = scheduler(tok, grammar)
     step, n = first_step(s, tok)
     bad = tok.encode("BCDE")  # uppercase: "s" (lowercase only) keeps none of them
     s.take_drafts(drafts(step, {"s": (bad, n["s"]), "p": ([-1] * K, n["p"])}))
     assert s.requests["s"].draft_ids.size == 0
     assert s.requests["s"].draft_hits == pytest.approx(0.75)  # from 1.0, a quarter of the way
-    assert s.requests["p"].draft_hits is not None and s.requests["p"].draft_hits > 0.2
+    assert s.requests["p"].draft_hits == 1.0
+    # a new request starts at the pooled share of requests like it: structured ones kept none
+    s.add(request(tok, "s2", LOWER))
+    s.add(request(tok, "p2", None))
+    assert s._hits(s.requests["s2"]) == 0.0 and s._hits(s.requests["p2"]) == 1.0
     out = s.schedule()
     assert out is not None and width_of(out, "s") == 0 and width_of(out, "p") == K
     s.update(output(1, {"s": tok.encode("b"), "p": tok.encode("Y")}))
