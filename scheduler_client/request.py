@@ -48,9 +48,10 @@ class Request:
     grammar_drafts: np.ndarray | None = None
     metrics: RequestMetrics = field(default_factory=RequestMetrics)
     num_judged: int = 0  # drafts the target judged (accepted ones + the first rejected)
-    # the share of the drafts asked for that the drafter proposed for this request, a moving
-    # average (an n-gram lookup finds a match for some requests, a model drafts for all); None
-    # until the first ask: the scheduler's pooled share over recent requests stands in
+    # the share of the drafts asked for that this request can verify (what the drafter proposed
+    # and its grammar kept), a moving average (an n-gram lookup finds a match for some requests,
+    # a model drafts for all); None until the first ask: the scheduler's pooled share over
+    # recent requests like it stands in
     draft_hits: float | None = None
     # overlap scheduling: steps sent whose output has not arrived
     num_inflight: int = 0  # non-draft tokens they run

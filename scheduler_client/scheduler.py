@@ -666,7 +666,7 @@ class Scheduler:
                 req.last_drafts = None
                 continue
             try:
-                self._take_request_drafts(req, ids)
+                kept = self._take_request_drafts(req, ids)
             except Exception as e:
                 # the grammar failed on this request's drafts: it ends, the others take theirs
                 self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
@@ -684,19 +684,20 @@ class Scheduler:
                 # after its grammar (a drafter that ignores the grammar, as a draft model's argmax
                 # does, finds drafts a structured request rejects: asked for on every step, the
                 # next step verified none, 45% of the time of a served c=1 row)
-                found = min(len(req.draft_ids) / want, 1.0)
+                found = min(kept / want, 1.0)
                 h = self._hits(req)
                 req.draft_hits = h + DRAFT_HITS_EMA * (found - h)
                 pool = self._hits_pool[req.matcher is not None]
                 pool[0] = HITS_POOL_KEEP * pool[0] + 1.0
                 pool[1] = HITS_POOL_KEEP * pool[1] + found
 
-    def _take_request_drafts(self, req: Request, ids: np.ndarray) -> None:
-        """Grammar-validate one request's fresh drafts (``ids`` int32 [width])."""
+    def _take_request_drafts(self, req: Request, ids: np.ndarray) -> int:
+        """Grammar-validate one request's fresh drafts (``ids`` int32 [width]); returns how many
+        of them it keeps (the grammar's forced tokens aside: they come whatever was asked)."""
         req.last_drafts = ids
         if req.matcher is None and not len(ids):
             req.draft_ids = NO_DRAFTS  # nothing proposed, nothing to cap
-            return
+            return 0
         cap = min(
             req.num_speculative_tokens,
             req.sampling.max_tokens - len(req.output_ids) - 1,
@@ -706,11 +707,11 @@ class Scheduler:
         ids = ids[:cap]
         if req.matcher is None:
             req.draft_ids = placeholders(len(ids))
-            return
+            return len(ids)
         if (ids < 0).any():
             req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
             req.draft_ids = NO_DRAFTS
-            return
+            return 0
         valid = req.matcher.validate(ids.tolist())
         req.metrics.num_grammar_invalid += len(ids) - valid
         real = ids[:valid].astype(np.int32)
@@ -721,6 +722,7 @@ class Scheduler:
         req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
         # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
         req.draft_ids = np.concatenate([placeholders(valid), np.asarray(forced, np.int32)])
+        return valid
 
 
 def _requeue(req: Request) -> None:
