@@ -425,7 +425,9 @@ class Engine:
         proposing zero drafts to measure it: overlap never speculated. A step that carries
         prompt chunks counts with its prefill tokens: with arrivals at c=64 nearly every step
         does, and counting decode-only steps alone left the tuner unmeasured there, drafting at
-        full width whatever it cost (the draft model served at 0.38x no drafts)."""
+        full width whatever it cost (the draft model served at 0.38x no drafts). With
+        ``--step-trace`` the same figures, and the tuner's choice for the step, go to the trace
+        as one JSON line (with or without a tuner)."""
         tuner = self.scheduler.tuner
         counts = sched.num_scheduled_tokens
         if (tuner is None and self._trace is None) or not len(counts):

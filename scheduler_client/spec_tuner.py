@@ -58,7 +58,9 @@ MAX_SOON = 3  # re-measurement cut its time (at most this many times in a row: o
 # every measurement moves), or while drafting is chosen on fewer than SURE_SAMPLES of its steps
 SURE_SAMPLES = 3
 FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of the requests
-# expected to get drafts got them (else the few found are weighed anew: a wide step for them)
+# expected to get drafts got them (else the few found are weighed anew: a wide step for them;
+# with overlap a request whose drafts are not back yet counts as having them, and the worker
+# verifies only what it proposed)
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -330,10 +332,11 @@ class SpeculationTuner:
             return k
         self.reason = "best"
         if best_k:
-            share = (
-                1.0 if hits is None else float(np.clip(np.asarray(hits, np.float64), 0, 1).mean())
-            )
-            self._proposed = (best_k, share)
+            # the share of these requests expected to get drafts: those with a width of their
+            # own, each by its hit rate (a request with none dilutes nothing: it never has drafts)
+            able = np.asarray(caps) > 0
+            got = able if hits is None else able * np.clip(np.asarray(hits, np.float64), 0, 1)
+            self._proposed = (best_k, float(got.sum()) / len(caps))
         return best_k
 
     @staticmethod

@@ -683,3 +683,13 @@ def test_the_step_after_a_proposal_verifies_it() -> None:
     for _ in range(3):
         tuner.observe_step(8, 5, 10.0, 4)
     assert tuner.choose([0.6] * 8, [4] + [0] * 7) == 0  # one of eight got drafts: anew
+    # requests without a width of their own (k = 0) never get drafts: they do not count against
+    # the share (three of eight can draft, and all three got them)
+    for _ in range(20):
+        tuner.observe_step(8, 5, 1.2, 4)
+    caps = [4, 4, 4, 0, 0, 0, 0, 0]
+    k = tuner.propose([0.9] * 8, caps)
+    assert k > 0 and tuner.reason == "best"
+    for _ in range(3):
+        tuner.observe_step(8, 5, 10.0, 4)
+    assert tuner.choose([0.9] * 8, caps) == min(k, 4)

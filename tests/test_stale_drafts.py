@@ -368,3 +368,22 @@ def test_a_structured_requests_hit_rate_counts_the_drafts_its_grammar_keeps(
     n = {r: s.requests[r].num_tokens for r in ("s", "p")}
     s.take_drafts(drafts(1, {"s": (tok.encode(BCDE), n["s"]), "p": ([-1] * K, n["p"])}))
     assert s.requests["s"].draft_hits == pytest.approx(0.75 + 0.25 * 0.25)  # all kept
+
+
+def test_forced_tokens_do_not_count_as_drafts_the_request_can_verify(
+    tok: TokenizerInfo, grammar: GrammarBackend
+) -> None:
+    """The grammar's forced tokens are offered as drafts whatever was asked, so they do not make
+    asking pay: a drafter whose drafts the grammar rejects whole is counted as finding none, even
+    where forced tokens fill the drafts' place."""
+    forcing = StructuredSpec("regex", "abcdefgh[a-z]{20}")  # after "a": "bcdefgh" is forced
+    s = scheduler(tok, grammar)
+    s.add(request(tok, "f", forcing))
+    s0 = s.schedule()
+    assert s0 is not None
+    s.update(output(0, {"f": tok.encode("a")}))
+    n = s.requests["f"].num_tokens
+    s.take_drafts(drafts(0, {"f": (tok.encode("BCDE"), n)}))
+    assert s.requests["f"].draft_ids.size == K  # four forced tokens stand in the drafts' place
+    assert s.requests["f"].metrics.num_forced == K
+    assert s.requests["f"].draft_hits == pytest.approx(0.75)  # counted as finding none
