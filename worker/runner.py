@@ -496,26 +496,24 @@ class ModelRunner:
         if not slots:
             return
         lengths = st.num_tokens[slots] if committed is None else np.asarray(committed, np.int64)
-        if live is not None and not all(live):
-            # only an open step sees its requests leave, and a step is held only when it
-            # proposes nothing (may_hold): there are no drafts to keep, and a slot taken since is
-            # not touched
-            # (``_hold`` cleared the drafts of every request still in its slot)
+        # only an open step sees its requests leave, and a step is held only when it proposes
+        # nothing (may_hold): there are no drafts to keep, and a slot taken since is not touched
+        # (``_hold`` cleared the drafts of every request still in its slot)
+        left = live is not None and not all(live)
+        widths: list[int] = []
+        if not left:
+            room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
+            widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
+        if not any(widths):
+            # nothing to propose (a request left, the tuner keeps drafting at zero, or no
+            # request has room): every drafter would return an empty proposal; the prompt-lookup
+            # one built it in a loop over the requests and copied it to the device, 41 us a step
+            # at batch 64 (CPU)
             none = np.zeros(len(slots), np.int64)
+            if not left:
+                st.num_drafts[slots] = 0
             self.draft_tokens.set_draft_tokens(
                 req_ids, self._no_drafts, none, lengths, none.astype(bool)
-            )
-            return
-        room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
-        widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
-        if not any(widths):
-            # nothing asked (the tuner keeps drafting at zero, or no request has room): every
-            # drafter would return an empty proposal; the prompt-lookup one built it in a loop
-            # over the requests and copied it to the device, 41 us a step at batch 64 (CPU)
-            none = np.zeros(len(slots), np.int64)
-            st.num_drafts[slots] = 0
-            self.draft_tokens.set_draft_tokens(
-                req_ids, self._no_drafts, none, lengths, st.structured[slots]
             )
             return
         proposal = self.drafter.propose(st, slots, widths)
