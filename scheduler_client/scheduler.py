@@ -170,7 +170,6 @@ class Scheduler:
         # with drafts to verify; all decoding requests; why it proposed what it did), while in
         # flight (--step-trace)
         self.choices: dict[int, tuple[int, int, int, str]] = {}
-        self._choice = (-1, 0, 0)
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
             SpeculationTuner(limits.max_num_speculative_tokens)
@@ -307,7 +306,7 @@ class Scheduler:
         deferred: list[str] = []
         scheduled: dict[str, tuple[int, int]] = {}  # req_id -> (tokens, drafts) this step
         sampling: set[str] = set()
-        width_cap = self._batch_width()
+        width_cap, choice = self._batch_width()
         limit = self.limits.max_model_len
         kv = self.kv_blocks
         free = kv.num_free(self.running) if kv is not None else 0
@@ -438,7 +437,7 @@ class Scheduler:
         self.steps[self.step_id] = (scheduled, sampling)
         self.proposal_caps[self.step_id] = out.max_draft_proposals
         if self.tuner is not None:
-            self.choices[self.step_id] = (*self._choice, self.tuner.reason)
+            self.choices[self.step_id] = (*choice, self.tuner.reason)
         self.step_id += 1
         return out
 
@@ -489,10 +488,12 @@ class Scheduler:
         widths = {req_id: w for req_id, (_, w) in step.items()}
         return deferred_rows(sched, widths, self.requests, self.words)
 
-    def _batch_width(self) -> int:
-        """The most drafts any request verifies this step (the tuner's choice, or no limit)."""
+    def _batch_width(self) -> tuple[int, tuple[int, int, int]]:
+        """The most drafts any request verifies this step (the tuner's choice, or no limit), and
+        for ``choices``: the tuner's choice (-1: none made), the decoding requests with drafts to
+        verify, and all decoding requests."""
         if self.tuner is None:
-            return 1 << 30
+            return 1 << 30, (-1, 0, 0)
         # every running request that samples this step counts (one token each, drafts or not)
         decoding = [
             r
@@ -510,15 +511,13 @@ class Scheduler:
         ]
         if not any(avail):
             self.tuner.skip_choice()
-            self._choice = (-1, 0, len(decoding))
-            return 0
+            return 0, (-1, 0, len(decoding))
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
         # a request whose drafts are not back yet (overlap) verifies what the drafter finds
         # for it: its hit rate; one whose drafts are here verifies them
         hits = [self._hits(r) if r.pending_samples else 1.0 for r in decoding]
         choice = self.tuner.choose(alphas, avail, hits)
-        self._choice = (choice, sum(1 for a in avail if a), len(decoding))
-        return choice
+        return choice, (choice, sum(1 for a in avail if a), len(decoding))
 
     def _hits(self, req: Request) -> float:
         """The share of the drafts asked for that ``req`` can verify: its own moving average once
@@ -671,14 +670,8 @@ class Scheduler:
                 # the grammar failed on this request's drafts: it ends, the others take theirs
                 self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
                 continue
-            want = (
-                req.num_speculative_tokens if asked < 0 else min(asked, req.num_speculative_tokens)
-            )
-            want = min(
-                want,
-                self.limits.max_model_len - req.num_tokens,
-                req.sampling.max_tokens - len(req.output_ids) - 1,
-            )
+            room = self._draft_room(req)
+            want = room if asked < 0 else min(asked, room)
             if want > 0:
                 # how much of what was asked this request can verify: what the drafter found,
                 # after its grammar (a drafter that ignores the grammar, as a draft model's argmax
@@ -691,6 +684,18 @@ class Scheduler:
                 pool[0] = HITS_POOL_KEEP * pool[0] + 1.0
                 pool[1] = HITS_POOL_KEEP * pool[1] + found
 
+    def _draft_room(self, req: Request) -> int:
+        """The most drafts ``req`` can verify next step: its own width, and the room left in its
+        output and its context."""
+        return max(
+            min(
+                req.num_speculative_tokens,
+                req.sampling.max_tokens - len(req.output_ids) - 1,
+                self.limits.max_model_len - req.num_tokens,
+            ),
+            0,
+        )
+
     def _take_request_drafts(self, req: Request, ids: np.ndarray) -> int:
         """Grammar-validate one request's fresh drafts (``ids`` int32 [width]); returns how many
         of them it keeps (the grammar's forced tokens aside: they come whatever was asked)."""
@@ -698,12 +703,7 @@ class Scheduler:
         if req.matcher is None and not len(ids):
             req.draft_ids = NO_DRAFTS  # nothing proposed, nothing to cap
             return 0
-        cap = min(
-            req.num_speculative_tokens,
-            req.sampling.max_tokens - len(req.output_ids) - 1,
-            self.limits.max_model_len - req.num_tokens,
-        )
-        cap = max(cap, 0)
+        cap = self._draft_room(req)
         ids = ids[:cap]
         if req.matcher is None:
             req.draft_ids = placeholders(len(ids))
