@@ -29,7 +29,9 @@ PROTOCOL_MAJOR = 1
 # 3: WorkerError.field
 # 4: WorkerReady.num_kv_blocks, WorkerReady.kv_block_size (the paged KV cache)
 # 5: SchedulerOutput.max_draft_proposals
-PROTOCOL_MINOR = 5
+# 6: ModelRunnerOutput.drafts_follow (a worker leaves out a DraftTokenIds without drafts for a
+#    scheduler of minor 6 or later)
+PROTOCOL_MINOR = 6
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -158,6 +160,13 @@ class ModelRunnerOutput(_Msg, tag="out", frozen=True):
     per request (none for a request whose prefill is not finished). ``num_draft_tokens`` counts the
     drafts verified, ``num_accepted`` the drafts accepted. ``logprobs`` float32 [sum(num_sampled)] or
     None.
+
+    ``drafts_follow`` (minor 6): a ``DraftTokenIds`` for this step follows the output. A worker
+    sets it False, and sends none, when no request that sampled got a draft (no drafter, the
+    scheduler's ``max_draft_proposals`` at zero, or no room left), and only for a scheduler that
+    said minor 6 or later in its hello; an older one waits for a ``DraftTokenIds`` after every
+    output that sampled, and gets one. The scheduler then clears the drafts of every request
+    that sampled, as a message of zero widths would have.
     """
 
     step_id: int
@@ -167,6 +176,7 @@ class ModelRunnerOutput(_Msg, tag="out", frozen=True):
     num_draft_tokens: Array
     num_accepted: Array
     logprobs: Array | None = None
+    drafts_follow: bool = True
 
 
 class DraftTokenIds(_Msg, tag="drafts", frozen=True):

@@ -349,6 +349,8 @@ class Engine:
         done = sch.update(result.output)
         if result.drafts is not None:
             sch.take_drafts(result.drafts)
+        elif not result.output.drafts_follow:
+            sch.no_drafts(result.output)
         self._send_deferred()
         return ended + self._take_ended() + failed + done
 

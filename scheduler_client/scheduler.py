@@ -7,7 +7,8 @@ sampled (grammar, stop conditions, detokenization) and keeps the committed token
 truth a restarted worker is replayed from.
 
 One step, in order: ``schedule()`` -> worker -> ``update(ModelRunnerOutput)`` ->
-``take_drafts(DraftTokenIds)`` -> ``schedule()`` ...
+``take_drafts(DraftTokenIds)`` (or ``no_drafts(ModelRunnerOutput)`` when the worker sent none:
+``drafts_follow``) -> ``schedule()`` ...
 """
 
 from __future__ import annotations
@@ -664,25 +665,47 @@ class Scheduler:
                 req.draft_ids = NO_DRAFTS
                 req.last_drafts = None
                 continue
-            try:
-                kept = self._take_request_drafts(req, ids)
-            except Exception as e:
-                # the grammar failed on this request's drafts: it ends, the others take theirs
-                self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
+            self._take_fresh(req, ids, asked)
+
+    def no_drafts(self, out: ModelRunnerOutput) -> None:
+        """After ``update(out)`` of an output the worker sent no ``DraftTokenIds`` for
+        (``drafts_follow`` False): every request that sampled was proposed nothing, as a message
+        of zero widths and current lengths would have said."""
+        asked = self.last_settled_asked
+        for req_id, n in zip(out.req_ids, out.num_sampled.tolist(), strict=True):
+            req = self.requests.get(req_id)
+            if not n or req is None or req.finished:
                 continue
-            room = self._draft_room(req)
-            want = room if asked < 0 else min(asked, room)
-            if want > 0:
-                # how much of what was asked this request can verify: what the drafter found,
-                # after its grammar (a drafter that ignores the grammar, as a draft model's argmax
-                # does, finds drafts a structured request rejects: asked for on every step, the
-                # next step verified none, 45% of the time of a served c=1 row)
-                found = min(kept / want, 1.0)
-                h = self._hits(req)
-                req.draft_hits = h + DRAFT_HITS_EMA * (found - h)
-                pool = self._hits_pool[req.matcher is not None]
-                pool[0] = HITS_POOL_KEEP * pool[0] + 1.0
-                pool[1] = HITS_POOL_KEEP * pool[1] + found
+            if req.status is not Status.RUNNING:
+                req.draft_ids = NO_DRAFTS  # requeued or preempted: nothing on the worker
+                req.last_drafts = None
+            elif req.matcher is None and (asked == 0 or not req.num_speculative_tokens):
+                req.draft_ids = req.last_drafts = NO_DRAFTS  # all _take_fresh would do
+            else:
+                self._take_fresh(req, NO_DRAFTS, asked)
+
+    def _take_fresh(self, req: Request, ids: np.ndarray, asked: int) -> None:
+        """A running request's drafts that match its length: kept after its grammar, and its hit
+        rate moved by what it found of the ``asked`` (the proposal cap; -1: its own width)."""
+        try:
+            kept = self._take_request_drafts(req, ids)
+        except Exception as e:
+            # the grammar failed on this request's drafts: it ends, the others take theirs
+            self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
+            return
+        room = self._draft_room(req)
+        want = room if asked < 0 else min(asked, room)
+        if want > 0:
+            # how much of what was asked this request can verify: what the drafter found,
+            # after its grammar (a drafter that ignores the grammar, as a draft model's argmax
+            # does, finds drafts a structured request rejects: asked for on every step, the
+            # next step verified none, 45% of the time of a served c=1 row)
+            found = min(kept / want, 1.0)
+            h = self._hits(req)
+            req.draft_hits = h + DRAFT_HITS_EMA * (found - h)
+            pool = self._hits_pool[req.matcher is not None]
+            pool[0] = HITS_POOL_KEEP * pool[0] + 1.0
+            pool[1] = HITS_POOL_KEEP * pool[1] + found
 
     def _draft_room(self, req: Request) -> int:
         """The most drafts ``req`` can verify next step: its own width, and the room left in its

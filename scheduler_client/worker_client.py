@@ -240,7 +240,7 @@ class WorkerClient:
                 )
             # anything else (a late pong, an old step's output or drafts) is stale: drop it
         drafts = None
-        if int(msg.num_sampled.sum()) > 0:
+        if msg.drafts_follow and int(msg.num_sampled.sum()) > 0:
             while True:
                 d = self._recv(deadline, f"drafts for step {sched.step_id}")
                 if isinstance(d, DraftTokenIds):

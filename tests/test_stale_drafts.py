@@ -387,3 +387,55 @@ def test_forced_tokens_do_not_count_as_drafts_the_request_can_verify(
     assert s.requests["f"].draft_ids.size == K  # four forced tokens stand in the drafts' place
     assert s.requests["f"].metrics.num_forced == K
     assert s.requests["f"].draft_hits == pytest.approx(0.75)  # counted as finding none
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_no_drafts_leaves_what_a_message_of_zero_widths_leaves(
+    tok: TokenizerInfo, grammar: GrammarBackend, overlap: bool
+) -> None:
+    """A worker of protocol minor 6 sends no ``DraftTokenIds`` after an output without drafts
+    (``drafts_follow`` False). ``no_drafts`` must leave each request as the message of zero
+    widths it replaces: a plain request, a structured one whose grammar forces its next tokens
+    (the forced drafts come whatever was proposed), and a plain one of width 0; hit rates, the
+    next step's widths, drafts and grammar rows alike."""
+    forced = StructuredSpec("regex", "azzzzzzzzzzzz")
+    runs = []
+    for use_message in (True, False):
+        s = scheduler(tok, grammar, overlap=overlap)
+        s.add(request(tok, "s", forced))
+        s.add(request(tok, "p", None))
+        s.add(Request("p0", tok.encode("ff"), SamplingParams(max_tokens=20), 0))
+        s0 = s.schedule()
+        assert s0 is not None and s0.req_ids == ["s", "p", "p0"]
+        out = output(0, {"s": tok.encode("a"), "p": tok.encode("Z"), "p0": tok.encode("Y")})
+        s.update(out)
+        if use_message:
+            s.take_drafts(drafts(0, {r: ([], s.requests[r].num_tokens) for r in out.req_ids}))
+        else:
+            s.no_drafts(msgspec.structs.replace(out, drafts_follow=False))
+        nxt = s.schedule()
+        assert nxt is not None
+        state = {
+            r: (
+                s.requests[r].draft_ids.tolist(),
+                None
+                if s.requests[r].grammar_drafts is None
+                else s.requests[r].grammar_drafts.tolist(),
+                s.requests[r].draft_hits,
+            )
+            for r in ("s", "p", "p0")
+        }
+        runs.append(
+            (
+                state,
+                dict(s._hits_pool),
+                nxt.req_ids,
+                nxt.num_draft_tokens.tolist(),
+                nxt.draft_token_ids.tolist(),
+                None if nxt.grammar_bitmask is None else nxt.grammar_bitmask.tolist(),
+            )
+        )
+    assert runs[0] == runs[1]
+    state = runs[0][0]
+    assert state["s"][0] and all(t >= 0 for t in state["s"][0])  # forced ids travel as real ids
+    assert state["p"][0] == [] and state["p0"][0] == []

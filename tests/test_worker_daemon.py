@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
@@ -150,6 +151,51 @@ def test_handshake_bad_message_then_good_steps(
     pong = recv(chan)
     assert isinstance(pong, Pong) and pong.seq == 42 and pong.num_steps >= sid - 1
 
+    chan.send(Shutdown(reason="test over"))
+    assert proc.wait(timeout=30) == 0
+
+
+def test_a_step_without_drafts_sends_no_draft_message_to_a_minor_6_scheduler(
+    worker: tuple[subprocess.Popen[bytes], Channel],
+) -> None:
+    """Protocol minor 6: after an output whose requests got no draft (a width of zero, the
+    proposals capped at zero, or nothing found) the worker sends no DraftTokenIds and says so
+    (``drafts_follow``); one with drafts is followed by its message. A scheduler of minor 5
+    still gets a message after every output that samples (the handshake test above, minor 0)."""
+    proc, chan = worker
+    chan.send(SchedulerHello(protocol_major=PROTOCOL_MAJOR, protocol_minor=6, scheduler_id="m6"))
+    assert isinstance(recv(chan, timeout_ms=120_000), WorkerReady)
+    prompt = [5, 6, 7, 5, 6, 7, 5, 6]  # repeats: prompt lookup finds drafts
+    plain = NewRequest("k0", np.array(prompt, np.int32), SamplingParams(), 0)
+    spec = NewRequest("k3", np.array(prompt, np.int32), SamplingParams(), 3)
+
+    def answer(msg: SchedulerOutput) -> tuple[ModelRunnerOutput, DraftTokenIds | None]:
+        chan.send(msg)
+        out = recv(chan)
+        assert isinstance(out, ModelRunnerOutput) and out.step_id == msg.step_id, out
+        if not out.drafts_follow:
+            return out, None
+        drafts = recv(chan)
+        assert isinstance(drafts, DraftTokenIds) and drafts.step_id == msg.step_id, drafts
+        return out, drafts
+
+    # a request without a width: no message
+    out, drafts = answer(step(0, [plain], ["k0"], [len(prompt)]))
+    assert drafts is None and out.num_sampled.tolist() == [1]
+    # one with a width whose proposals the scheduler caps at zero: no message
+    capped = msgspec.structs.replace(
+        step(1, [spec], ["k0", "k3"], [1, len(prompt)]), max_draft_proposals=0
+    )
+    out, drafts = answer(capped)
+    assert drafts is None and out.num_sampled.tolist() == [1, 1]
+    # the same request proposing: its drafts follow, every sampler listed
+    out, drafts = answer(step(2, [], ["k0", "k3"], [1, 1]))
+    assert drafts is not None and drafts.req_ids == ["k0", "k3"]
+    assert drafts.num_draft_tokens[0] == 0 and drafts.num_draft_tokens[1] > 0
+    # the next message the worker sends answers the next step: nothing was left queued
+    chan.send(Ping(seq=7))
+    pong = recv(chan)
+    assert isinstance(pong, Pong) and pong.seq == 7
     chan.send(Shutdown(reason="test over"))
     assert proc.wait(timeout=30) == 0
 

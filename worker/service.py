@@ -18,6 +18,7 @@ import tempfile
 import time
 from collections import deque
 
+import msgspec
 import torch
 import torch.distributed as dist
 import zmq
@@ -215,6 +216,9 @@ class WorkerLoop:
         self.runner = runner
         self.ready = ready
         self.peer: bytes | None = None
+        # the peer's protocol minor: from 6 an output without drafts is sent without a
+        # DraftTokenIds after it (ModelRunnerOutput.drafts_follow)
+        self.peer_minor = 0
         self.stopping = False
         self.num_bad_messages = 0
         self.last_step_id: int | None = None  # the last step executed since the handshake
@@ -319,6 +323,7 @@ class WorkerLoop:
                 )
                 self.runner.reset()
             self.peer = identity
+            self.peer_minor = msg.protocol_minor
             self.peer_seen = time.monotonic()
             self.last_step_id = None  # a new session numbers its steps afresh
             self.reply(identity, self.ready)
@@ -422,13 +427,18 @@ class WorkerLoop:
         """A launched step finished: its refusals, its output, its drafts. Its time counts from
         its launch or from the end of the step before, whichever is later (steps overlap)."""
         out, rejected = self.runner.finish(launched)
+        quiet = self.peer_minor >= 6 and not self.runner.draft_tokens.has_drafts()
+        if quiet:
+            # no request got a draft: no DraftTokenIds, the scheduler clears their drafts itself
+            # (at batch 64 the message was an encode, a send, a decode and a loop a step)
+            out = msgspec.structs.replace(out, drafts_follow=False)
         for err in rejected:
             self.reply(identity, refusal(err, launched.sched.step_id))
         self.reply(identity, out)
         now = time.perf_counter()
         self.metrics.record_step(out, now - max(t0, self._last_end), num_running, kv_free)
         self._last_end = now
-        drafts = self.runner.take_draft_tokens()
+        drafts = None if quiet else self.runner.take_draft_tokens()
         if drafts is not None:
             self.reply(identity, drafts)
 
