@@ -53,6 +53,9 @@ class Request:
     # a model drafts for all); None until the first ask: the scheduler's pooled share over
     # recent requests like it stands in
     draft_hits: float | None = None
+    # structured requests: how many of the last non-empty drafts validated its grammar kept
+    # (None before any). Overlap: the width its next unvalidated drafts may verify
+    grammar_kept: int | None = None
     # overlap scheduling: steps sent whose output has not arrived
     num_inflight: int = 0  # non-draft tokens they run
     pending_samples: int = 0  # how many of them sample this request
