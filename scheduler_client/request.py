@@ -53,8 +53,9 @@ class Request:
     # a model drafts for all); None until the first ask: the scheduler's pooled share over
     # recent requests like it stands in
     draft_hits: float | None = None
-    # structured requests: how many of the last non-empty drafts validated its grammar kept
-    # (None before any). Overlap: the width its next unvalidated drafts may verify
+    # structured requests: where the grammar cut the last non-empty drafts validated (None
+    # before any, after drafts it kept whole, and after a requeue). Overlap: the most of its
+    # next drafts, not validated yet, that a step verifies
     grammar_kept: int | None = None
     # overlap scheduling: steps sent whose output has not arrived
     num_inflight: int = 0  # non-draft tokens they run

@@ -347,13 +347,11 @@ class Scheduler:
             room = limit - (req.num_tokens + req.inflight_max_new) - 1
             if room < 0:
                 return False
-            w = min(req.num_speculative_tokens, budget - 1, width_cap, room)
-            if req.grammar_kept is not None:
-                # its drafts are validated only after this step is sent: at most as many as
-                # its grammar kept of the last ones (a grammar-blind draft model's drafts that
-                # the grammar then cut were verified for nothing: c=32 overlap verified 912 draft
-                # tokens for 160 accepted, where sync verified 148 for 148, CPU)
-                w = min(w, req.grammar_kept)
+            # its drafts are validated only after this step is sent: a structured request runs
+            # at most as many as its grammar kept of the last ones (a grammar-blind draft
+            # model's drafts that the grammar then cut were verified for nothing: 912 draft
+            # tokens verified for 160 accepted in overlap, 148 for 148 in sync, CPU)
+            w = min(req.num_speculative_tokens, budget - 1, width_cap, room, _kept(req))
             if kv is not None:
                 blocks_room = kv.room(req, free)
                 if blocks_room < 1:
@@ -513,7 +511,7 @@ class Scheduler:
         asked = self.proposal_caps.get(self.step_id - 1, -1)
         cap = asked if asked >= 0 else 1 << 30
         avail = [
-            min(r.num_speculative_tokens, cap) if r.pending_samples else len(r.draft_ids)
+            min(r.num_speculative_tokens, cap, _kept(r)) if r.pending_samples else len(r.draft_ids)
             for r in decoding
         ]
         if not any(avail):
@@ -683,6 +681,7 @@ class Scheduler:
             if not n or req is None or req.finished:
                 continue
             if req.status is not Status.RUNNING:
+                req.metrics.num_stale += 1  # as take_drafts counts a message for it
                 req.draft_ids = NO_DRAFTS  # requeued or preempted: nothing on the worker
                 req.last_drafts = None
             elif req.matcher is None and (asked == 0 or not req.num_speculative_tokens):
@@ -744,7 +743,9 @@ class Scheduler:
         valid = req.matcher.validate(ids.tolist())
         req.metrics.num_grammar_invalid += len(ids) - valid
         if len(ids):
-            req.grammar_kept = valid
+            # where the grammar cut the last drafts (None: it cut none, so no limit; the drafts
+            # were as few as the drafter found or the tuner asked, not as the grammar allows)
+            req.grammar_kept = valid if valid < len(ids) else None
         real = ids[:valid].astype(np.int32)
         forced: list[int] = []
         if self.config.forced_drafts and valid < cap:
@@ -756,6 +757,12 @@ class Scheduler:
         return valid
 
 
+def _kept(req: Request) -> int:
+    """The most drafts ``req`` verifies before they are validated (overlap): what its grammar
+    kept of the last drafts validated; no limit for a plain request or before any."""
+    return 1 << 30 if req.grammar_kept is None else req.grammar_kept
+
+
 def _requeue(req: Request) -> None:
     """``req`` waits again with nothing on the worker: recomputed from its prompt and committed
     tokens, without drafts."""
@@ -764,6 +771,7 @@ def _requeue(req: Request) -> None:
     req.sent_to_worker = False
     req.draft_ids = NO_DRAFTS
     req.grammar_drafts = None
+    req.grammar_kept = None
     _clear_inflight(req)
 
 

@@ -465,5 +465,41 @@ def test_overlap_verifies_no_more_unvalidated_drafts_than_the_grammar_kept_last(
     s.update(output(1, {"s": tok.encode("b"), "p": tok.encode("Z")}))
     n = {r: s.requests[r].num_tokens for r in ("s", "p")}
     s.take_drafts(drafts(1, {"s": (tok.encode(BCDE), n["s"]), "p": ([-1] * K, n["p"])}))
+    assert s.requests["s"].grammar_kept is None  # kept whole: no limit
     s3 = s.schedule()
     assert s3 is not None and width_of(s3, "s") == K
+    # fewer drafts than its width, all kept (the drafter found one, or the tuner asked for one):
+    # the grammar cut nothing, so nothing limits the next step
+    s.update(output(2, {"s": tok.encode("c"), "p": tok.encode("Z")}))
+    n = {r: s.requests[r].num_tokens for r in ("s", "p")}
+    s.take_drafts(drafts(2, {"s": (tok.encode("d"), n["s"]), "p": ([-1] * K, n["p"])}))
+    assert s.requests["s"].grammar_kept is None
+    s4 = s.schedule()
+    assert s4 is not None and width_of(s4, "s") == K
+    # a requeue (a worker restart's replay) forgets where the grammar cut
+    s.take_drafts(drafts(2, {"s": (tok.encode("XY"), n["s"]), "p": ([-1] * K, n["p"])}))
+    assert s.requests["s"].grammar_kept == 0
+    s.requeue_all()
+    assert s.requests["s"].grammar_kept is None
+
+
+def test_the_tuner_counts_no_unvalidated_drafts_a_structured_request_cannot_verify(
+    tok: TokenizerInfo, grammar: GrammarBackend
+) -> None:
+    """Overlap with the speculation tuner: a structured request whose grammar kept none of its
+    last drafts verifies none of the next before they are validated, so the tuner's choice does
+    not count it among the requests with drafts to verify (it would weigh a gain no request can
+    take)."""
+    config = SchedulerConfig(adaptive_speculation=True, async_scheduling=True)
+    s = Scheduler(config, LIMITS, tok, grammar)
+    s.add(request(tok, "s", LOWER))
+    s0, s1 = s.schedule(), s.schedule()
+    assert s0 is not None and s1 is not None
+    s.update(output(0, {"s": tok.encode("a")}))
+    n = s.requests["s"].num_tokens
+    s.take_drafts(drafts(0, {"s": (tok.encode("XYZW"), n)}))  # none lowercase: none kept
+    assert s.requests["s"].grammar_kept == 0
+    s.proposal_caps[s1.step_id] = K  # as if the tuner had asked the worker for K after step 1
+    s2 = s.schedule()
+    assert s2 is not None and width_of(s2, "s") == 0
+    assert s.choices[s2.step_id][:3] == (-1, 0, 1)  # no choice: no request with drafts to verify
