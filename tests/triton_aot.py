@@ -1,6 +1,7 @@
-"""Compile the fused layers' Triton kernels for a Hopper GPU (sm_90) without one: triton's own
-compiler and the ptxas its wheel ships, in a process without triton's interpreter (conftest.py
-sets it for the test session, and an interpreted kernel cannot be compiled).
+"""Compile the fused layers' Triton kernels and the grammar bitmask's for a Hopper GPU (sm_90)
+without one: triton's own compiler and the ptxas its wheel ships, in a process without triton's
+interpreter (conftest.py sets it for the test session, and an interpreted kernel cannot be
+compiled).
 
     python -m tests.triton_aot
 
@@ -16,6 +17,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from worker import bitmask_kernel as bk  # noqa: E402
 from worker import fused_kernels as fk  # noqa: E402
 
 HOPPER = GPUTarget("cuda", 90, 32)
@@ -48,6 +50,11 @@ def main() -> None:
             compile_for_hopper(fk._rope_and_cache, sig, consts)
         sig = {"gu_ptr": p, "out_ptr": p} | dict.fromkeys(("n", "stride_gu", "stride_o"), i32)
         compile_for_hopper(fk._silu_and_mul, sig | {"BLOCK": "constexpr"}, {"BLOCK": 1024})
+        # the grammar bitmask on the logits (bf16 or float32 logits, int64 rows, int32 words)
+        sig = {"logits_ptr": p, "rows_ptr": "*i64", "mask_ptr": "*i32"}
+        sig |= dict.fromkeys(("vocab", "num_words", "stride_l", "stride_m"), i32)
+        consts = {"BLOCK": bk.BLOCK}
+        compile_for_hopper(bk._apply_bitmask, sig | {"BLOCK": "constexpr"}, consts)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from worker import bitmask_kernel
+
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """int32 [rows, ceil(V/32)] -> bool [rows, V]; bit t % 32 of word t // 32 allows token t."""
@@ -12,9 +14,21 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_bitmask_(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
+def apply_bitmask_(
+    logits: torch.Tensor,
+    rows: torch.Tensor,
+    bitmask: torch.Tensor,
+    *,
+    use_triton: bool | None = None,
+) -> None:
     """Forbid, in place, every token the grammar disallows. logits [R, V]; rows [M] the logit rows
-    that bitmask [M, words] belongs to."""
+    that bitmask [M, words] belongs to. ``use_triton`` (default: on CUDA when triton is there) runs
+    it as one Triton launch (``bitmask_kernel``), with the same result."""
+    if use_triton is None:
+        use_triton = logits.is_cuda and bitmask_kernel.triton is not None
+    if use_triton:
+        bitmask_kernel.apply_bitmask_triton(logits, rows, bitmask)
+        return
     allowed = unpack_bitmask(bitmask, logits.shape[1])  # [M, V]
     logits[rows] = logits[rows].masked_fill(~allowed, float("-inf"))
 
