@@ -758,8 +758,9 @@ class Scheduler:
 
 
 def _kept(req: Request) -> int:
-    """The most drafts ``req`` verifies before they are validated (overlap): what its grammar
-    kept of the last drafts validated; no limit for a plain request or before any."""
+    """The most drafts ``req`` verifies before they are validated (overlap): where its grammar
+    cut the last drafts validated; no limit for a plain request, before any cut, or after drafts
+    the grammar kept whole."""
     return 1 << 30 if req.grammar_kept is None else req.grammar_kept
 
 

@@ -352,3 +352,26 @@ def test_a_minor_4_peer_and_a_minor_5_peer_read_each_others_steps() -> None:
     assert isinstance(got, m.SchedulerOutput)
     assert got.max_draft_proposals == -1 and got.req_ids == new.req_ids
     assert np.array_equal(got.num_scheduled_tokens, new.num_scheduled_tokens)
+
+
+def test_a_minor_6_scheduler_reads_a_minor_5_output_as_drafts_following() -> None:
+    """Minor 6 added ``ModelRunnerOutput.drafts_follow`` last. An older worker's output has no such
+    field: it reads as True, so the scheduler waits for the ``DraftTokenIds`` that worker sends
+    after every output that samples (and an older scheduler ignores the field: old reads new)."""
+    new = m.ModelRunnerOutput(
+        step_id=3,
+        req_ids=["a"],
+        num_sampled=np.array([1], np.int32),
+        sampled_token_ids=np.array([7], np.int32),
+        num_draft_tokens=np.zeros(1, np.int32),
+        num_accepted=np.zeros(1, np.int32),
+        drafts_follow=False,
+    )
+    codec = Codec()
+    frames = [bytes(f) for f in codec.encode(new)]
+    major, _minor, body = msgspec.msgpack.decode(frames[0])
+    assert body[-1] is False  # the new field travels last
+    old = msgspec.msgpack.encode((major, 5, body[:-1]))  # as a minor-5 worker encodes it
+    got = codec.decode([old, *frames[1:]])
+    assert isinstance(got, m.ModelRunnerOutput) and got.drafts_follow is True
+    assert got.step_id == 3 and got.sampled_token_ids.tolist() == [7]

@@ -4,8 +4,8 @@ when the scheduler must validate them against a grammar.
 Who calls what: the runner calls ``begin_step`` before a step, ``discard`` for requests that left,
 and ``set_draft_tokens`` after the drafter proposed; the transport asks ``has_drafts`` and calls
 ``get_draft_tokens`` once per step, after sending the step's ``ModelRunnerOutput`` (a step without
-drafts sends none to a scheduler of protocol minor 6 or later: ``drafts_follow``). Nothing else touches its stream, event or
-host buffers.
+drafts sends none to a scheduler of protocol minor 6 or later: ``drafts_follow``). Nothing else
+touches its stream, event or host buffers.
 
 On CUDA the device-to-host copy runs on a side stream into pinned memory and ``get_draft_tokens``
 waits on a blocking event (it sleeps instead of spinning on the driver lock). On CPU the copy is a
