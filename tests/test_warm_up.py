@@ -10,6 +10,7 @@ import pytest
 from tests.drafting import KINDS, K, drafting_runner
 from tests.driver import Req, run
 from tests.models import VOCAB, greedy_reference
+from worker import grammar_rows
 from worker.warm_up import warm_up
 
 
@@ -24,9 +25,21 @@ def test_the_warm_up_verifies_drafts_and_leaves_the_runner_empty(kind: str) -> N
         return launch(sched, *args, **kw)
 
     runner.launch = counting  # type: ignore[method-assign]
-    steps = warm_up(runner, K, VOCAB)
-    runner.launch = launch  # type: ignore[method-assign]
+    masked: list[int] = []  # the rows of each grammar bitmask applied (its kernel compiled)
+    apply = grammar_rows.apply_bitmask_
+
+    def applying(logits, rows, bitmask, **kw):  # type: ignore[no-untyped-def]
+        masked.append(len(rows))
+        return apply(logits, rows, bitmask, **kw)
+
+    grammar_rows.apply_bitmask_ = applying  # type: ignore[assignment]
+    try:
+        steps = warm_up(runner, K, VOCAB)
+    finally:
+        runner.launch = launch  # type: ignore[method-assign]
+        grammar_rows.apply_bitmask_ = apply
     assert steps == len(verified) > 0
+    assert masked and all(masked), masked  # a structured request's rows at every step it ran
     assert runner.num_steps == 0
     if kind != "none":
         # drafts ran at both batch sizes (an n-gram lookup on random prompts may find none)

@@ -8,6 +8,9 @@ milliseconds that landed in one user's request (a TPOT p99 of 10 ms against a p5
 in-process benchmarks do with an untimed pass, the worker now runs them once before it is ready:
 a prefill of two prompts, steps that verify the drafts proposed at batch 2, then batch 1, then both
 requests leave. The runner keeps nothing of them (their slots are freed as any finished request's).
+The first request is structured, with rows that allow every token: the grammar bitmask's kernel
+(one Triton launch, ``bitmask_kernel``) is compiled here, not in the first structured request's
+step, and its drafts take the copy to the host that a grammar's drafts take.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
             prompt_token_ids=rng.integers(0, vocab_size, n).astype(np.int32),
             sampling=SamplingParams(max_tokens=2 * STEPS * (k + 1) + 1),
             num_speculative_tokens=k,
+            structured=r == ids[0],
         )
         for r, n in zip(ids, lengths, strict=True)
     ]
+    words = (vocab_size + 31) // 32
     widths = dict.fromkeys(ids, 0)  # the drafts each request holds (the worker's own)
     step_id = 0
 
@@ -53,6 +58,9 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
     ) -> None:
         nonlocal step_id
         drafts = [widths[r] if counts[j] == 1 else 0 for j, r in enumerate(req_ids)]
+        # the structured request samples at every step it runs (its prompt whole, then one
+        # token): 1 + its drafts rows, each allowing every token
+        rows = 1 + drafts[0] if req_ids and req_ids[0] == ids[0] else 0
         sched = SchedulerOutput(
             step_id=step_id,
             new_requests=list(new_requests),
@@ -64,7 +72,9 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
             draft_token_ids=np.full(sum(drafts), -1, np.int32),
             finished_req_ids=list(finished),
             aborted_req_ids=[],
-            structured_req_ids=[],
+            structured_req_ids=[ids[0]] if rows else [],
+            cu_bitmask_rows=np.asarray([0, rows], np.int32) if rows else None,
+            grammar_bitmask=np.full((rows, words), -1, np.int32) if rows else None,
         )
         step_id += 1
         runner.execute(sched)
