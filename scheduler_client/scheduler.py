@@ -665,9 +665,7 @@ class Scheduler:
             # are stale too, and it starts again without any
             waiting = req.status is not Status.RUNNING
             if waiting or stale_step or committed[i] != req.num_tokens:
-                req.metrics.num_stale += 1
-                req.draft_ids = NO_DRAFTS
-                req.last_drafts = None
+                _stale(req)
                 continue
             self._take_fresh(req, ids, asked)
 
@@ -681,9 +679,7 @@ class Scheduler:
             if not n or req is None or req.finished:
                 continue
             if req.status is not Status.RUNNING:
-                req.metrics.num_stale += 1  # as take_drafts counts a message for it
-                req.draft_ids = NO_DRAFTS  # requeued or preempted: nothing on the worker
-                req.last_drafts = None
+                _stale(req)  # requeued or preempted: nothing on the worker, as take_drafts says
             elif req.matcher is None and (asked == 0 or not req.num_speculative_tokens):
                 req.draft_ids = req.last_drafts = NO_DRAFTS  # all _take_fresh would do
             else:
@@ -755,6 +751,14 @@ class Scheduler:
         # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
         req.draft_ids = np.concatenate([placeholders(valid), np.asarray(forced, np.int32)])
         return valid
+
+
+def _stale(req: Request) -> None:
+    """Drafts that do not fit ``req`` (another step, another length, or a request not running)
+    are counted and dropped: it runs its next step without drafts (fail closed)."""
+    req.metrics.num_stale += 1
+    req.draft_ids = NO_DRAFTS
+    req.last_drafts = None
 
 
 def _kept(req: Request) -> int:
