@@ -174,6 +174,9 @@ def worker_cmd(
     return cmd
 
 
+_TRACED: set[Path] = set()  # step traces begun in this run
+
+
 def served(
     a: argparse.Namespace, drafter: str, mode: str, bodies: list[dict[str, Any]]
 ) -> list[dict[str, Any]]:
@@ -195,7 +198,9 @@ def served(
         sched_cmd += shlex.split(a.scheduler_args)
         if a.log_dir:  # every step's sizes, widths and time (bench/step_trace.py reads it)
             trace = Path(a.log_dir) / f"trace-{drafter}-{mode}.jsonl"
-            trace.unlink(missing_ok=True)
+            if trace not in _TRACED:  # a drafter named twice (--drafters none ngram none)
+                trace.unlink(missing_ok=True)  # appends: step_trace.py splits rows by span
+                _TRACED.add(trace)
             sched_cmd += ["--step-trace", str(trace)]
         # a new file: wait_ready reads the first "ready" line in it (an old run's would name
         # another port when --log-dir is reused)
