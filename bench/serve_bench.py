@@ -383,15 +383,17 @@ def table(rows: list[dict[str, Any]]) -> str:
         return "-" if v is None else str(v)
 
     lines = [
-        "| path | drafter | mode | load | out tok/s | TTFT p50 | TTFT p99 | TPOT p50 | TPOT p99 "
+        "| path | drafter | mode | load | out tok/s | steady tok/s | TTFT p50 | TTFT p99 | TPOT p50 "
+        "| TPOT p99 "
         "| acceptance | mean acc. len | errors | steps | wall ms/step | worker ms/step "
         "| worker busy | batch | sched. CPU ms/step | HTTP proc. CPU ms/step | client CPU ms/step |",
-        "|---|---|---|---|" + "---:|" * 16,
+        "|---|---|---|---|" + "---:|" * 17,
     ]
     for r in rows:
         lines.append(
             f"| {r['path']} | {r['drafter']} | {r['mode']} | {r['load']} | {r['output_tok_s']} "
-            f"| {ms(r, 'ttft', 'p50_ms')} | {ms(r, 'ttft', 'p99_ms')} | {ms(r, 'tpot', 'p50_ms')} "
+            f"| {r.get('steady_tok_s') or '-'} | {ms(r, 'ttft', 'p50_ms')} "
+            f"| {ms(r, 'ttft', 'p99_ms')} | {ms(r, 'tpot', 'p50_ms')} "
             f"| {ms(r, 'tpot', 'p99_ms')} | {r.get('acceptance_rate', '-')} "
             f"| {r.get('mean_acceptance_length') or '-'} | {r.get('errors', '-')} "
             f"| {st(r, 'worker', 'steps')} | {st(r, 'worker', 'wall_ms')} "

@@ -29,6 +29,7 @@ class Result:
     e2e_s: float
     output_tokens: int
     error: str | None = None
+    sent: float = 0.0  # time.time() when it was sent (processes share that clock)
 
 
 def chat_body(w: dict[str, Any]) -> dict[str, Any]:
@@ -52,7 +53,7 @@ def chat_body(w: dict[str, Any]) -> dict[str, Any]:
 
 
 def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Result:
-    t0 = time.perf_counter()
+    sent, t0 = time.time(), time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     ttft: float | None = None
     tokens = 0
@@ -63,7 +64,9 @@ def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Re
         )
         resp = conn.getresponse()
         if resp.status != 200:
-            return Result(None, time.perf_counter() - t0, 0, f"HTTP {resp.status}: {resp.read()!r}")
+            return Result(
+                None, time.perf_counter() - t0, 0, f"HTTP {resp.status}: {resp.read()!r}", sent
+            )
         for raw in resp:
             line = raw.strip()
             if not line.startswith(b"data: ") or line == b"data: [DONE]":
@@ -85,7 +88,29 @@ def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Re
         error = f"{type(e).__name__}: {e}"
     finally:
         conn.close()
-    return Result(ttft, time.perf_counter() - t0, tokens, error)
+    return Result(ttft, time.perf_counter() - t0, tokens, error, sent)
+
+
+def steady_tok_s(results: list[Result]) -> float | None:
+    """Output tokens a second from the first request sent to the last one sent: a closed loop's
+    throughput while all its clients are busy, the drain after its last request left out (with
+    4 requests a client, a quarter of a row). A request's tokens count as made evenly from its
+    first token to its end; None with fewer than two requests or no such window."""
+    ok = [r for r in results if r.error is None and r.ttft_s is not None and r.output_tokens]
+    if len(ok) < 2:
+        return None
+    w0, w1 = min(r.sent for r in results), max(r.sent for r in results)
+    if w1 <= w0:
+        return None
+    made = 0.0
+    for r in ok:
+        first, end = r.sent + r.ttft_s, r.sent + r.e2e_s  # type: ignore[operator]
+        if end <= first:  # one event: every token at once
+            made += r.output_tokens if w0 <= end <= w1 else 0
+            continue
+        inside = max(0.0, min(end, w1) - max(first, w0))
+        made += r.output_tokens * inside / (end - first)
+    return made / (w1 - w0)
 
 
 def closed_loop(
@@ -265,6 +290,7 @@ def summarize(
         "wall_s": round(wall_s, 3),
         "output_tokens": tokens,
         "output_tok_s": round(tokens / wall_s, 2),
+        "steady_tok_s": None if (v := steady_tok_s(results)) is None else round(v, 2),
         "ttft": percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
         "tpot": percentiles(tpot),
         "e2e": percentiles([r.e2e_s for r in ok]),
