@@ -4,10 +4,14 @@ them), overlap scheduling. The worker serves a 2-layer random model (``--load-fo
 SmolLM2's tokenizer, so its steps are short and the scheduler does a real model's bookkeeping
 (detokenization, grammar rows, drafts) on the CPU. Reports the engine process's CPU ms a step.
 
-    python bench/engine_step_bench.py [--drafter none|ngram] [--zero-width] [--root DIR]
+    python bench/engine_step_bench.py [--drafter none|ngram|draft_model] [--zero-width]
+        [--full-width] [--sync] [--root DIR]
 
 ``--zero-width`` pins the tuner's proposals at zero (as it keeps a losing drafter): what a
-drafter held at zero width costs the scheduler against ``--drafter none``.
+drafter held at zero width costs the scheduler against ``--drafter none``. ``--full-width`` runs
+without the tuner (every step drafts at the worker's width; ``draft_model`` drafts with the
+same dummy as the target, so the two agree), ``--sync`` without overlap scheduling. The line
+ends with the drafts verified and accepted.
 
 ``--root`` runs another checkout's code (scheduler and worker alike: a git worktree of an older
 commit), so two trees are compared in one run on one machine. Its figures are this process's CPU,
@@ -48,10 +52,14 @@ def tiny_model_dir(directory: Path) -> Path:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=str(HERE.parent))
-    ap.add_argument("--drafter", default="none", choices=("none", "ngram"))
+    ap.add_argument("--drafter", default="none", choices=("none", "ngram", "draft_model"))
     ap.add_argument("--requests", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--zero-width", action="store_true", help="the tuner proposes no drafts")
+    ap.add_argument("--sync", action="store_true", help="no overlap scheduling")
+    ap.add_argument(
+        "--full-width", action="store_true", help="no tuner: every step drafts at full width"
+    )
     a = ap.parse_args()
     root = os.path.abspath(a.root)
     sys.path.insert(0, root)
@@ -62,13 +70,20 @@ def main() -> None:
     from scheduler_client.scheduler import SchedulerConfig
 
     with tempfile.TemporaryDirectory() as tmp:
+        model = str(tiny_model_dir(Path(tmp) / "m"))
         config = EngineConfig(
-            model=str(tiny_model_dir(Path(tmp) / "m")),
+            model=model,
             device="cpu",
             drafter=a.drafter,
+            # the same dummy as its own draft: the two agree on every token (dummy_weights)
+            draft_model=model if a.drafter == "draft_model" else None,
             max_model_len=1024,
             worker_args=("--load-format", "dummy", "--max-num-seqs", "64"),
-            scheduler=SchedulerConfig(max_num_seqs=64, async_scheduling=True),
+            scheduler=SchedulerConfig(
+                max_num_seqs=64,
+                async_scheduling=not a.sync,
+                adaptive_speculation=not a.full_width,
+            ),
         )
         workload = load_workload(str(HERE / "workloads" / "mixed.jsonl"), a.requests)
         with Engine(config) as engine:
@@ -81,10 +96,13 @@ def main() -> None:
             engine.run_until_done()
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             steps = engine.scheduler.step_id - steps0
+            m = engine.scheduler.metrics
     name = a.drafter + (" at zero width" if a.zero_width else "")
+    name += (" at full width" if a.full_width else "") + (", sync" if a.sync else "")
     print(
         f"{name}: {steps} steps, scheduler CPU {cpu / steps * 1e3:.2f} ms a step "
-        f"(wall {wall / steps * 1e3:.2f} ms a step)"
+        f"(wall {wall / steps * 1e3:.2f} ms a step); drafts {m.num_draft_tokens}, accepted "
+        f"{m.num_accepted}"
     )
 
 
