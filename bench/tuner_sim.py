@@ -1,6 +1,6 @@
 """The speculation tuner under served arrivals, in a step-cost model (no model runs, no GPU).
 
-    python bench/tuner_sim.py [--concurrency 64] [--requests 2000] [--seed 0]
+    python bench/tuner_sim.py [--concurrency 64] [--requests 2000] [--seed 0] [--seeds 1]
 
 A closed loop at concurrency c, as ``serve_bench`` runs it: a new request (prompt 100..600 tokens,
 128 output tokens) arrives as one finishes, so most steps carry a prompt chunk. Each step costs
@@ -169,6 +169,9 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--requests", type=int, default=2000)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument(
+        "--seeds", type=int, default=1, help="runs from --seed on: each ratio is their mean"
+    )
     a = ap.parse_args()
     print(
         "| profile | c | no drafts tok/s | every draft | tuner, decode-only steps | tuner, every step |"
@@ -177,14 +180,22 @@ def main() -> None:
     for profile in PROFILES:
         for c in a.concurrency:
             n = a.requests if c > 1 else max(a.requests // 20, 16)
-            r = {
-                p: simulate(profile, p, c, n, a.seed)
-                for p in ("none", "always", "decode-only", "tuner")
-            }
-            base = r["none"]
+            seeds = range(a.seed, a.seed + max(a.seeds, 1))
+            runs = [
+                {
+                    p: simulate(profile, p, c, n, s)
+                    for p in ("none", "always", "decode-only", "tuner")
+                }
+                for s in seeds
+            ]
+            base = sum(r["none"] for r in runs) / len(runs)
+
+            def ratio(policy: str, runs: list[dict[str, float]] = runs) -> float:
+                return sum(r[policy] / r["none"] for r in runs) / len(runs)
+
             print(
-                f"| {profile.name} | {c} | {base:,.0f} | {r['always'] / base:.2f}x | "
-                f"{r['decode-only'] / base:.2f}x | {r['tuner'] / base:.2f}x |"
+                f"| {profile.name} | {c} | {base:,.0f} | {ratio('always'):.3f}x | "
+                f"{ratio('decode-only'):.3f}x | {ratio('tuner'):.3f}x |"
             )
 
 

@@ -28,7 +28,10 @@ wait before the next one (64 decisions up to 1,024), since re-measuring a losing
 catch-up and two of its steps; a re-measurement that made its end cheaper starts the waits over
 (one that made it dearer confirms the choice); the no-drafts end, while counted in fewer than three
 steps or when its last re-measurement made it cheaper (up to three times in a row), is measured
-again after 8 decisions. At batch 1 on a GPU, where a step costs about the same whatever its
+again after 8 decisions. While drafting is chosen, a width measured when the width in use cost
+a quarter more than it does now (``STALE``: a worker's first, slow steps, a host that sped up) is
+measured anew: its samples are dropped, or for the drafting end, it is re-measured at the next
+decision. At batch 1 on a GPU, where a step costs about the same whatever its
 width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
 save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
 so speculation never costs throughput.
@@ -57,6 +60,9 @@ EXPLORE_SOON = 8  # decisions before the no-drafts end is measured again when it
 MAX_SOON = 3  # re-measurement cut its time (at most this many times in a row: on a noisy host
 # every measurement moves), or while drafting is chosen on fewer than SURE_SAMPLES of its steps
 SURE_SAMPLES = 3
+STALE = 0.2  # while drafting is chosen, the width in use got this much cheaper since another
+# width was last measured: that width's time is from a slower machine (a worker's first steps, a
+# host that sped up), and it is measured anew
 FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of the requests
 # expected to get drafts got them (else the few found are weighed anew: a wide step for them;
 # with overlap a request whose drafts are not back yet counts as having them, and the worker
@@ -163,14 +169,43 @@ class _Bucket:
     explore_top: bool = False  # the last re-measurement was of the drafting end
     repeat: bool = False  # ... and it moved that end's time: measure the same end next
     soon: int = 0  # re-measurements of the no-drafts end in a row that moved its time
+    chosen: int = 0  # the last ``best`` choice's K
+    # width -> every width's time when it was last measured (a width measured only later: its
+    # first time), for ``stale``
+    at: dict[int, dict[int, float]] = field(default_factory=dict)
 
     _seconds: dict[int, float] | None = None  # ``seconds`` until a fit changes
+    _due: set[int] = field(default_factory=set)  # widths observed since ``seconds`` was computed
 
     def observe(self, width: int, prefill: float, seconds: float) -> None:
         # a re-measurement is one step of a width seen rarely: it weighs half, so a cost that
         # changed is followed within a few re-measurements
         remeasured = self.explored_from >= 0 and width == self.explored_width
         self.fits.setdefault(width, _Fit()).add(prefill, seconds, REMEASURE if remeasured else EMA)
+        self._seconds = None
+        self._due.add(width)
+
+    def stale(self, known: dict[int, float]) -> list[int]:
+        """While drafting is chosen: the widths measured when the width in use cost more than
+        1 / (1 - STALE) times what it costs now. h100-s20: the no-drafts end measured at 7.9 ms
+        in a worker's first, slow steps, the drafting end at 3.6 ms later on; an n-gram drafter
+        that lost drafted through the first quarter of a row."""
+        use = 1 + self.chosen
+        if self.chosen <= 0 or use not in known:
+            return []
+        bar = known[use] / (1.0 - STALE)
+        return [
+            w for w, then in self.at.items() if w != use and w in known and then.get(use, 0.0) > bar
+        ]
+
+    def forget(self, width: int) -> None:
+        """Drops a width's samples: the no-drafts end is then measured again as at the start,
+        and measured once more soon after (``_unsure``); a width between the ends is
+        interpolated until it is used."""
+        self.fits.pop(width, None)
+        self.at.pop(width, None)
+        if width == 1:
+            self.next_explore = -1
         self._seconds = None
 
     def set_fit(self, width: int, fit: _Fit) -> None:
@@ -199,6 +234,13 @@ class _Bucket:
             self._seconds = {
                 w: max(f.t - per_token * f.p - per_step * f.m, 1e-9) for w, f in self.fits.items()
             }
+            for w in self._due:
+                self.at[w] = dict(self._seconds)
+            self._due.clear()
+            for then in self.at.values():  # a width first measured since: its first time
+                if then.keys() != self._seconds.keys():
+                    for w, t in self._seconds.items():
+                        then.setdefault(w, t)
         return self._seconds
 
 
@@ -270,6 +312,16 @@ class SpeculationTuner:
             self.reason = "hold"
             return k
         known = bucket.seconds
+        stale = bucket.stale(known)
+        if stale:
+            for width in stale:
+                if width == 1 + top:  # the drafting end: the next decision re-measures it
+                    bucket.at.pop(width)
+                    bucket.next_explore = bucket.decisions
+                    bucket.repeat = bucket.explore_top = True
+                else:
+                    bucket.forget(width)
+            known = bucket.seconds
         if 1 + top not in known and 1 in known:
             self._borrow(bucket, len(caps), 1 + top)
             known = bucket.seconds
@@ -331,6 +383,7 @@ class SpeculationTuner:
             self.reason = "explore"
             return k
         self.reason = "best"
+        bucket.chosen = best_k
         if best_k:
             # the share of these requests expected to get drafts: those with a width of their
             # own, each by its hit rate (a request with none dilutes nothing: it never has drafts)
