@@ -11,8 +11,11 @@ the largest concurrency, and a ``specd-scheduler`` is connected to it (its caps 
 worker's handshake). The mixed workload (bench/workloads/mixed.jsonl: JSON, regex and choice
 constrained; bench/prompts.py: edit tasks and open chat, ``--max-tokens`` each, EOS ignored) is sent
 as streamed chat completions, closed loop at each concurrency (a new request as one finishes) and
-open loop at ``--rate`` requests/s (Poisson). Rows: output tok/s, TTFT and TPOT p50/p99, and
-acceptance from the scheduler's /metrics. Then the in-process runner (bench/lossless_bench.py's
+open loop at ``--rate`` requests/s (Poisson). Rows: output tok/s, steady tok/s (the tokens made
+from the first request sent to the last one sent: a closed loop without the drain after its last
+request), TTFT and TPOT p50/p99, and acceptance from the scheduler's /metrics. A drafter named
+twice in ``--drafters`` (``none ngram none``) runs twice: rows before and after the others show
+how far the host drifted. Then the in-process runner (bench/lossless_bench.py's
 functions, no scheduler, no sockets) decodes the same unconstrained prompts, ``c`` at once for
 each concurrency ``c``: the ceiling the served rows are measured against. Last, transformers' own
 static-cache decode step replayed from a CUDA graph (bench/hf_graph.py) at batch 1 and at the
