@@ -29,9 +29,9 @@ catch-up and two of its steps; a re-measurement that made its end cheaper starts
 (one that made it dearer confirms the choice); the no-drafts end, while counted in fewer than three
 steps or when its last re-measurement made it cheaper (up to three times in a row), is measured
 again after 8 decisions. While drafting is chosen, a width measured when the width in use cost
-a quarter more than it does now (``STALE``: a worker's first, slow steps, a host that sped up) is
-measured anew: its samples are dropped, or for the drafting end, it is re-measured at the next
-decision. At batch 1 on a GPU, where a step costs about the same whatever its
+a quarter more than it does now (``STALE``: a worker's first, slow steps, a host that sped up),
+for ``STALE_FOR`` decisions in a row, is measured anew: its samples are dropped, or for the
+drafting end, it is re-measured at the next decision. At batch 1 on a GPU, where a step costs about the same whatever its
 width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
 save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
 so speculation never costs throughput.
@@ -62,7 +62,9 @@ MAX_SOON = 3  # re-measurement cut its time (at most this many times in a row: o
 SURE_SAMPLES = 3
 STALE = 0.2  # while drafting is chosen, the width in use got this much cheaper since another
 # width was last measured: that width's time is from a slower machine (a worker's first steps, a
-# host that sped up), and it is measured anew
+# host that sped up), and it is measured anew ...
+STALE_FOR = 4  # ... once that has held this many decisions in a row (a moving average's dip on a
+# noisy host, or under prompt chunks of every size, is not a new machine)
 FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of the requests
 # expected to get drafts got them (else the few found are weighed anew: a wide step for them;
 # with overlap a request whose drafts are not back yet counts as having them, and the worker
@@ -176,6 +178,7 @@ class _Bucket:
 
     _seconds: dict[int, float] | None = None  # ``seconds`` until a fit changes
     _due: set[int] = field(default_factory=set)  # widths observed since ``seconds`` was computed
+    _over: dict[int, int] = field(default_factory=dict)  # stale widths: decisions in a row
 
     def observe(self, width: int, prefill: float, seconds: float) -> None:
         # a re-measurement is one step of a width seen rarely: it weighs half, so a cost that
@@ -192,11 +195,14 @@ class _Bucket:
         that lost drafted through the first quarter of a row."""
         use = 1 + self.chosen
         if self.chosen <= 0 or use not in known:
+            self._over = {}
             return []
         bar = known[use] / (1.0 - STALE)
-        return [
+        over = [
             w for w, then in self.at.items() if w != use and w in known and then.get(use, 0.0) > bar
         ]
+        self._over = {w: self._over.get(w, 0) + 1 for w in over}
+        return [w for w, n in self._over.items() if n >= STALE_FOR]
 
     def forget(self, width: int) -> None:
         """Drops a width's samples: the no-drafts end is then measured again as at the start,
@@ -234,12 +240,13 @@ class _Bucket:
             self._seconds = {
                 w: max(f.t - per_token * f.p - per_step * f.m, 1e-9) for w, f in self.fits.items()
             }
+            measured = {w: t for w, t in self._seconds.items() if self.fits[w].n}  # not borrowed
             for w in self._due:
-                self.at[w] = dict(self._seconds)
+                self.at[w] = dict(measured)
             self._due.clear()
             for then in self.at.values():  # a width first measured since: its first time
-                if then.keys() != self._seconds.keys():
-                    for w, t in self._seconds.items():
+                if then.keys() != measured.keys():
+                    for w, t in measured.items():
                         then.setdefault(w, t)
         return self._seconds
 
@@ -319,9 +326,11 @@ class SpeculationTuner:
                     bucket.at.pop(width)
                     bucket.next_explore = bucket.decisions
                     bucket.repeat = bucket.explore_top = True
-                else:
+                elif width < 1 + top:  # (one past the drafting end is not in use now)
                     bucket.forget(width)
             known = bucket.seconds
+            for then in bucket.at.values():  # forgetting moved the pooled prefill fit: re-base
+                then.update((w, t) for w, t in known.items() if bucket.fits[w].n)
         if 1 + top not in known and 1 in known:
             self._borrow(bucket, len(caps), 1 + top)
             known = bucket.seconds
