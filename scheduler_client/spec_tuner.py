@@ -31,10 +31,10 @@ steps or when its last re-measurement made it cheaper (up to three times in a ro
 again after 8 decisions. While drafting is chosen, a width measured when the width in use cost
 a quarter more than it does now (``STALE``: a worker's first, slow steps, a host that sped up),
 for ``STALE_FOR`` decisions in a row, is measured anew: its samples are dropped, or for the
-drafting end, it is re-measured at the next decision. At batch 1 on a GPU, where a step costs about the same whatever its
-width, this keeps full speculation; where verifying or drafting costs more than the accepted drafts
-save (large batches, a slow drafter), the proposal width goes to zero and the drafter stops working,
-so speculation never costs throughput.
+drafting end, it is re-measured at the next decision. At batch 1 on a GPU, where a step costs
+about the same whatever its width, this keeps full speculation; where verifying or drafting costs
+more than the accepted drafts save (large batches, a slow drafter), the proposal width goes to
+zero and the drafter stops working, so speculation never costs throughput.
 """
 
 from __future__ import annotations
@@ -190,9 +190,9 @@ class _Bucket:
 
     def stale(self, known: dict[int, float]) -> list[int]:
         """While drafting is chosen: the widths measured when the width in use cost more than
-        1 / (1 - STALE) times what it costs now. h100-s20: the no-drafts end measured at 7.9 ms
-        in a worker's first, slow steps, the drafting end at 3.6 ms later on; an n-gram drafter
-        that lost drafted through the first quarter of a row."""
+        1 / (1 - STALE) times what it costs now, STALE_FOR decisions in a row. h100-s20: the
+        no-drafts end measured at 7.9 ms in a worker's first, slow steps, the drafting end at
+        3.6 ms later on; an n-gram drafter that lost drafted through the first quarter of a row."""
         use = 1 + self.chosen
         if self.chosen <= 0 or use not in known:
             self._over = {}
@@ -203,6 +203,26 @@ class _Bucket:
         ]
         self._over = {w: self._over.get(w, 0) + 1 for w in over}
         return [w for w, n in self._over.items() if n >= STALE_FOR]
+
+    def measure_stale_anew(self, known: dict[int, float], top: int) -> bool:
+        """The ``stale`` widths are measured anew: the drafting end (``top``) at the next
+        decision, through a re-measurement; a width below it loses its samples (``forget``),
+        and then every width's snapshot is re-based (forgetting moved the pooled prefill fit
+        and with it every decode part). A width past ``top`` (a batch whose requests ask for
+        fewer drafts) is left as it is. Returns whether any width was stale."""
+        stale = self.stale(known)
+        for width in stale:
+            if width == top:
+                self.at.pop(width)
+                self.next_explore = self.decisions
+                self.repeat = self.explore_top = True
+            elif width < top:
+                self.forget(width)
+        if stale:
+            now = self.seconds
+            for then in self.at.values():
+                then.update((w, t) for w, t in now.items() if self.fits[w].n)
+        return bool(stale)
 
     def forget(self, width: int) -> None:
         """Drops a width's samples: the no-drafts end is then measured again as at the start,
@@ -319,18 +339,8 @@ class SpeculationTuner:
             self.reason = "hold"
             return k
         known = bucket.seconds
-        stale = bucket.stale(known)
-        if stale:
-            for width in stale:
-                if width == 1 + top:  # the drafting end: the next decision re-measures it
-                    bucket.at.pop(width)
-                    bucket.next_explore = bucket.decisions
-                    bucket.repeat = bucket.explore_top = True
-                elif width < 1 + top:  # (one past the drafting end is not in use now)
-                    bucket.forget(width)
+        if bucket.measure_stale_anew(known, 1 + top):
             known = bucket.seconds
-            for then in bucket.at.values():  # forgetting moved the pooled prefill fit: re-base
-                then.update((w, t) for w, t in known.items() if bucket.fits[w].n)
         if 1 + top not in known and 1 in known:
             self._borrow(bucket, len(caps), 1 + top)
             known = bucket.seconds
