@@ -252,11 +252,14 @@ def step_stats(
     """Steps in a phase from one process's step histogram: how many, mean ms, the share of the
     phase's wall time spent in them, (a worker's) mean requests a step, and the process's CPU
     ms a step (``cpu_s``: its CPU seconds over the phase, every thread). A CPU time a step near
-    the wall time a step says the process is the bottleneck (a GIL runs one thread at a time)."""
+    the wall time a step says the process is the bottleneck (a GIL runs one thread at a time).
+    ``gc_ms``: the process's garbage-collector pauses a step; ``gc_full``: its full collections."""
     steps = delta(before, after, prefix + "step_seconds_count")
     seconds = delta(before, after, prefix + "step_seconds_sum")
     batch = delta(before, after, prefix + "batch_size_sum")
     held = delta(before, after, prefix + "pipelined_steps_total")  # a worker's open steps
+    gc_s = delta(before, after, prefix + "gc_pause_seconds_total")  # protocol/gc_heap.py
+    gc_full = delta(before, after, prefix + "gc_full_collections_total")
     return {
         "steps": int(steps),
         "step_ms": round(1000 * seconds / steps, 3) if steps else None,
@@ -265,6 +268,8 @@ def step_stats(
         "batch": round(batch / steps, 2) if steps and batch else None,
         "cpu_ms": round(1000 * cpu_s / steps, 3) if steps and cpu_s is not None else None,
         "pipelined": round(held / steps, 3) if steps and held else None,
+        "gc_ms": round(1000 * gc_s / steps, 4) if steps else None,
+        "gc_full": int(gc_full),
     }
 
 

@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from prometheus_client import generate_latest
 
+from protocol.gc_heap import freeze_heap
 from protocol.options import add_log_args, parse_with_config, setup_logging
 from scheduler_client.engine import Engine, EngineConfig
 from scheduler_client.engine_args import add_engine_args, engine_config
@@ -405,14 +406,16 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    frozen = freeze_heap()  # the tokenizer, the grammar engine, the modules: out of each step's GC
     log.info(
-        "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s))",
+        "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s), %d objects frozen)",
         host,
         port,
         model,
         ready.drafter,
         ready.max_num_speculative_tokens,
         len(loops),
+        frozen,
     )
     try:
         loops[0].run()

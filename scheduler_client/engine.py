@@ -148,6 +148,9 @@ class Engine:
             )
         self.in_flight: collections.deque[SchedulerOutput] = collections.deque()
         self._last_output_s = time.perf_counter()
+        # requests were left unfinished at the last output: the loop went straight on, so the
+        # next step's time counts from that output (the cycle), not from its own send
+        self._went_on = False
         self._sent_s: dict[int, float] = {}
         self._sent_mono: dict[int, float] = {}  # step_id -> monotonic send time (health)
         self.num_deferred_bitmasks = 0
@@ -318,6 +321,7 @@ class Engine:
             self.outstanding_since = self._sent_mono.get(cur.step_id)
             result = self.client.receive(cur)
         except WorkerDied as e:
+            self._went_on = False  # the next step's time counts from its send
             self.in_flight.clear()
             self._sent_s.clear()
             self._sent_mono.clear()
@@ -333,12 +337,18 @@ class Engine:
         self._sent_mono.pop(cur.step_id, None)
         self._mark_outstanding()
         now = time.perf_counter()
-        # the worker's time for this step: from its send, or from the last output when the
-        # step was already queued behind that one (overlap)
+        # A step's time is the cycle from the last output to its own: the scheduler's turnaround
+        # (committing the output, checking drafts against grammars, the next step's layout) is
+        # part of what a step costs, and drafting adds to it. In overlap a step that waited for
+        # drafts was sent only after that turnaround, during which the worker had nothing to
+        # run; timed from its send, drafting looked cheaper than it was by the whole bubble
+        # (h100-s20: a draft model in overlap kept drafting at c >= 8, at 0.93-0.99x no drafts). After an idle spell
+        # (no unfinished requests at the last output) the time counts from the step's send.
+        sent_s = self._sent_s.pop(cur.step_id, now)
         self._observe(
             cur,
             result.output,
-            now - max(self._last_output_s, self._sent_s.pop(cur.step_id, now)),
+            now - (self._last_output_s if self._went_on else max(self._last_output_s, sent_s)),
         )
         self._last_output_s = now
         failed = []
@@ -351,6 +361,7 @@ class Engine:
             sch.take_drafts(result.drafts)
         elif not result.output.drafts_follow:
             sch.no_drafts(result.output)
+        self._went_on = bool(sch.running or sch.waiting)
         self._send_deferred()
         return ended + self._take_ended() + failed + done
 
@@ -395,6 +406,7 @@ class Engine:
         return self._refuse(cur, culprits, message)
 
     def _refuse(self, cur: SchedulerOutput, names: list[str], message: str) -> list[Request]:
+        self._went_on = False  # no output: the next step's time counts from its send
         self._sent_s.pop(cur.step_id, None)
         self._sent_mono.pop(cur.step_id, None)
         self._mark_outstanding()
@@ -420,16 +432,17 @@ class Engine:
                 self.num_deferred_bitmasks += 1
 
     def _observe(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
-        """Feed the speculation tuner the cost of a step, at the width the worker ran: with
-        overlap the step's widths are caps, and a request runs only the drafts the worker
-        proposed (none after a proposal of zero). Counting the caps filed every overlap step
-        under the widest width, so the no-draft end was never measured and the tuner kept
-        proposing zero drafts to measure it: overlap never speculated. A step that carries
-        prompt chunks counts with its prefill tokens: with arrivals at c=64 nearly every step
-        does, and counting decode-only steps alone left the tuner unmeasured there, drafting at
-        full width whatever it cost (the draft model served at 0.38x no drafts). With
-        ``--step-trace`` the same figures, and the tuner's choice for the step, go to the trace
-        as one JSON line (with or without a tuner)."""
+        """Feed the speculation tuner the cost of a step (``seconds``: the cycle from the output
+        before, see ``_step``), at the width the worker ran: with overlap the step's widths are
+        caps, and a request runs only the drafts the worker proposed (none after a proposal of
+        zero). Counting the caps filed every overlap step under the widest width, so the
+        no-draft end was never measured and the tuner kept proposing zero drafts to measure it:
+        overlap never speculated. A step that carries prompt chunks counts with its prefill
+        tokens: with arrivals at c=64 nearly every step does, and counting decode-only steps
+        alone left the tuner unmeasured there, drafting at full width whatever it cost (the
+        draft model served at 0.38x no drafts). With ``--step-trace`` the same figures, and the
+        tuner's choice for the step, go to the trace as one JSON line (with or without a
+        tuner)."""
         tuner = self.scheduler.tuner
         counts = sched.num_scheduled_tokens
         if (tuner is None and self._trace is None) or not len(counts):
@@ -444,7 +457,7 @@ class Engine:
             self._trace.write(
                 json.dumps(
                     {
-                        "t": round(time.time(), 4),
+                        "t": round(time.time(), 5),
                         "step": sched.step_id,
                         "reqs": len(counts),
                         "cap": int(sched.num_draft_tokens.max()),

@@ -9,6 +9,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
+from protocol.gc_heap import GcCollector
 from scheduler_client.request import Request
 from scheduler_client.spec_tuner import SpeculationTuner
 
@@ -97,6 +98,7 @@ class SchedulerMetrics:
             "Running requests preempted for want of KV blocks (recomputed later), since start",
             registry=r,
         )
+        r.register(GcCollector("specd_scheduler_"))
 
     def watch_tuner(self, tuner: SpeculationTuner) -> None:
         """Export the speculation tuner's measured step times, read at each scrape."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from protocol.gc_heap import GcCollector
 from protocol.messages import ModelRunnerOutput
 
 
@@ -52,6 +53,7 @@ class WorkerMetrics:
         self.errors = Counter(
             "specd_worker_errors_total", "WorkerErrors sent, by code", ["code"], registry=r
         )
+        r.register(GcCollector("specd_worker_"))
 
     def serve(self, port: int) -> int:
         """Serve ``/metrics`` on ``port`` (-1: any free port); returns the port it bound."""

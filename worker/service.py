@@ -36,6 +36,7 @@ from protocol import (
     WorkerError,
     WorkerReady,
 )
+from protocol.gc_heap import freeze_heap
 from protocol.transport import Channel
 from worker.config import WorkerConfig
 from worker.daemon import EXIT_FATAL, EXIT_LOAD, EXIT_OK, GOODBYE_LINGER_MS
@@ -179,12 +180,16 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         num_kv_blocks=executor.kv_cache.num_blocks,
         kv_block_size=executor.kv_cache.block_size,
     )
+    # what start-up made (modules, weights' wrappers, graphs) leaves the collector's reach: a
+    # full collection inside a step would walk it all (protocol/gc_heap.py)
+    frozen = freeze_heap()
     log.info(
-        "models ready in %.1f s (drafter %s, k=%d, batch_invariant %s)",
+        "models ready in %.1f s (drafter %s, k=%d, batch_invariant %s, %d objects frozen)",
         time.monotonic() - t0,
         drafter.name,
         k,
         invariant,
+        frozen,
     )
     return runner, ready
 

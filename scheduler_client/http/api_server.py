@@ -402,6 +402,7 @@ def _answer(future: asyncio.Future[bytes], text: bytes) -> None:
 
 def main() -> int:
     """The HTTP process: settings (JSON) on stdin, from ``ApiServerProcess.start``."""
+    from protocol.gc_heap import freeze_heap
     from protocol.options import setup_logging
 
     for sig in (signal.SIGINT, signal.SIGTERM):  # the scheduler drains, then says stop
@@ -417,6 +418,7 @@ def main() -> int:
         link.send(["unusable", f"cannot listen on {s['host']}:{s['port']}: {e}"])
         link.ctx.destroy(linger=2000)
         return 1
+    freeze_heap()  # (protocol/gc_heap.py)
     server.start()
     link.send(["listening", *server.address])
     clean = link.run(loops, s["parent_pid"])
