@@ -301,4 +301,17 @@ def summarize(
         "e2e": percentiles([r.e2e_s for r in ok]),
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "mean_acceptance_length": round(1 + accepted / verifications, 3) if verifications else None,
+        "phases_ms": phases_ms(before, after),
     }
+
+
+def phases_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms a request finished in the phase spent in each of the scheduler's phases (prep,
+    queue, prefill, decode: ``specd_scheduler_request_*_seconds``)."""
+    out = {}
+    for name in ("prep", "queue", "prefill", "decode"):
+        metric = f"specd_scheduler_request_{name}_seconds"
+        n = delta(before, after, metric + "_count")
+        if n:
+            out[name] = round(1000 * delta(before, after, metric + "_sum") / n, 3)
+    return out

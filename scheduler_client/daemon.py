@@ -377,6 +377,9 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
     """HTTP in one thread (or process), engine loop 0 on this thread, the others on their own."""
     ready = loops[0].engine.ready
     model = cfg.served_model_name or ready.model_name
+    # the tokenizer, the grammar engine, the modules: out of each step's collections, frozen
+    # before the door opens or another loop starts (protocol/gc_heap.py)
+    frozen = freeze_heap()
     try:
         http = front(cfg, api_key, loops, model)
         host, port = http.start()
@@ -406,7 +409,6 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    frozen = freeze_heap()  # the tokenizer, the grammar engine, the modules: out of each step's GC
     log.info(
         "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s), %d objects frozen)",
         host,

@@ -341,9 +341,9 @@ class Engine:
         # (committing the output, checking drafts against grammars, the next step's layout) is
         # part of what a step costs, and drafting adds to it. In overlap a step that waited for
         # drafts was sent only after that turnaround, during which the worker had nothing to
-        # run; timed from its send, drafting looked cheaper than it was by the whole bubble
-        # (h100-s20: a draft model in overlap kept drafting at c >= 8, at 0.93-0.99x no drafts). After an idle spell
-        # (no unfinished requests at the last output) the time counts from the step's send.
+        # run: timed from its send, drafting looked cheaper than it was by the whole bubble.
+        # After an idle spell (no unfinished requests at the last output) the time counts from
+        # the step's send.
         sent_s = self._sent_s.pop(cur.step_id, now)
         self._observe(
             cur,

@@ -172,8 +172,9 @@ class EngineLoop:
         self._held: dict[str, _Held] = {}  # req_id -> its text not yet put
         self._inbox: queue.SimpleQueue[tuple[str, Any, Stream | None]] = queue.SimpleQueue()
         self._streams: dict[str, Stream] = {}
-        # req_id -> (its reader, its preparation) while it is prepared off this thread
-        self._preparing: dict[str, tuple[Stream, Future[dict[str, Any]]]] = {}
+        # req_id -> its reader, its preparation and when it came in (monotonic), while it is
+        # prepared off this thread
+        self._preparing: dict[str, tuple[Stream, Future[dict[str, Any]], float]] = {}
         self._drain_deadline: float | None = None
         self.draining = False
         self.failed: str | None = None  # set when the worker is gone for good
@@ -334,8 +335,9 @@ class EngineLoop:
         if req_id in self._preparing or req_id in self.engine.scheduler.requests:
             stream.put(Refused(f"request id {req_id!r} is already in use"))
             return
+        arrived = time.monotonic()
         future = self.prep.submit(request)
-        self._preparing[req_id] = (stream, future)
+        self._preparing[req_id] = (stream, future, arrived)
         # NOTE: the callback runs on a preparation thread (or here, if it is already done): it
         # only posts to the inbox; this thread takes the result in _join
         future.add_done_callback(lambda _f: self._inbox.put(("prepared", req_id, None)))
@@ -345,7 +347,7 @@ class EngineLoop:
         preparing = self._preparing.pop(req_id, None)
         if preparing is None:
             return  # aborted (or refused by the drain) while it was prepared
-        stream, future = preparing
+        stream, future, arrived = preparing
         try:
             request = future.result()
         except (ValueError, TypeError) as e:
@@ -355,15 +357,16 @@ class EngineLoop:
             log.exception("preparing %s failed", req_id)
             stream.put(Refused(f"the request could not be prepared: {e!r}"))
             return
-        self._start(request, stream)
+        self._start(request, stream, arrived)
 
     def _refuse_preparing(self, message: str, status: int = 400) -> None:
-        for stream, future in self._preparing.values():
+        for stream, future, _ in self._preparing.values():
             future.cancel()
             stream.put(Refused(message, status))
         self._preparing.clear()
 
-    def _start(self, request: dict[str, Any], stream: Stream) -> None:
+    def _start(self, request: dict[str, Any], stream: Stream, arrived: float | None = None) -> None:
+        """``arrived``: when the request came in, before its preparation (its ``prep`` phase)."""
         try:
             req = self.engine.add_request(**request)
         except (ValueError, TypeError) as e:
@@ -379,6 +382,7 @@ class EngineLoop:
             self.engine.scheduler.release(req.req_id)
             stream.put(Refused(req.error or "the request was refused"))
             return
+        req.metrics.arrival_s = arrived
         stream.req_id = req.req_id
         self._streams[req.req_id] = stream
         if self.stream_interval == 1:

@@ -20,8 +20,27 @@ class RequestMetrics:
     num_output_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     first_token_s: float | None = None
-    start_s: float = field(default_factory=time.monotonic)
+    start_s: float = field(default_factory=time.monotonic)  # the scheduler has it (prepared)
     end_s: float | None = None
+    # monotonic: the engine loop took it in (before its preparation; None: added directly),
+    # and its first step (admitted; a preempted request keeps its first)
+    arrival_s: float | None = None
+    scheduled_s: float | None = None
+
+    def phases(self) -> dict[str, float]:
+        """Seconds a finished request spent in each phase it reached: ``prep`` (limits, chat
+        template, tokenizing, grammar), ``queue`` (waiting for admission), ``prefill`` (its
+        first step to its first token) and ``decode`` (its first token to its end)."""
+        out: dict[str, float] = {}
+        if self.arrival_s is not None:
+            out["prep"] = self.start_s - self.arrival_s
+        if self.scheduled_s is not None:
+            out["queue"] = self.scheduled_s - self.start_s
+            if self.first_token_s is not None:
+                out["prefill"] = self.first_token_s - self.scheduled_s
+        if self.first_token_s is not None and self.end_s is not None:
+            out["decode"] = self.end_s - self.first_token_s
+        return out
 
     def record_step(self, num_draft_tokens: int, num_accepted: int, num_sampled: int) -> None:
         self.num_output_tokens += num_sampled

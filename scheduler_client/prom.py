@@ -13,10 +13,17 @@ from protocol.gc_heap import GcCollector
 from scheduler_client.request import Request
 from scheduler_client.spec_tuner import SpeculationTuner
 
+# seconds: a request's phases, from a queue of a millisecond to a decode of half a minute
+PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+PROCESS_WIDE = "specd_scheduler_gc_"  # families every registry reports alike (the process's)
+
 
 def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
     """One registry for /metrics: with one worker its own; with several, every sample labelled
-    ``worker="i"`` under one family per metric (duplicate families would be invalid)."""
+    ``worker="i"`` under one family per metric (duplicate families would be invalid), but for
+    the process-wide ones (``PROCESS_WIDE``), given once without a label."""
     if len(registries) == 1:
         return registries[0]
 
@@ -25,11 +32,14 @@ def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
             families: dict[str, Metric] = {}
             for i, reg in enumerate(registries):
                 for fam in reg.collect():
+                    process_wide = fam.name.startswith(PROCESS_WIDE)
+                    if process_wide and i:
+                        continue
                     out = families.setdefault(
                         fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit)
                     )
                     for smp in fam.samples:
-                        labels = {**smp.labels, "worker": str(i)}
+                        labels = smp.labels if process_wide else {**smp.labels, "worker": str(i)}
                         out.add_sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar)
             yield from families.values()
 
@@ -99,6 +109,21 @@ class SchedulerMetrics:
             registry=r,
         )
         r.register(GcCollector("specd_scheduler_"))
+        # a finished request's time in each phase (vLLM's request_queue_time_seconds and kin)
+        self.phase_seconds = {
+            name: Histogram(
+                f"specd_scheduler_request_{name}_seconds",
+                text,
+                registry=r,
+                buckets=PHASE_BUCKETS,
+            )
+            for name, text in (
+                ("prep", "Preparation: limits, chat template, tokenizing, grammar"),
+                ("queue", "Prepared to its first step (waiting for admission)"),
+                ("prefill", "Its first step to its first token"),
+                ("decode", "Its first token to its end"),
+            )
+        }
 
     def watch_tuner(self, tuner: SpeculationTuner) -> None:
         """Export the speculation tuner's measured step times, read at each scrape."""
@@ -151,3 +176,5 @@ class SchedulerMetrics:
         self.grammar_invalid.inc(m.num_grammar_invalid)
         self.forced.inc(m.num_forced)
         self.stale.inc(m.num_stale)
+        for name, seconds in m.phases().items():
+            self.phase_seconds[name].observe(seconds)

@@ -407,6 +407,7 @@ class Scheduler:
             self.waiting.popleft()
             req.status = Status.RUNNING
             req.sent_to_worker = True
+            req.metrics.scheduled_s = req.metrics.scheduled_s or time.monotonic()
             self.running.append(req)
             new.append(
                 NewRequest(

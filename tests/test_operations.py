@@ -164,6 +164,11 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     assert int(logged(log, r"(\d+) objects frozen").group(1)) > 10_000
     assert w["specd_worker_gc_collections_total"] >= w["specd_worker_gc_full_collections_total"]
     assert s["specd_scheduler_gc_pause_seconds_total"] >= 0
+    # request phases (the engine prepares nothing itself: no prep phase); every request ran
+    assert "specd_scheduler_request_prep_seconds_count" in s
+    assert s["specd_scheduler_request_prep_seconds_count"] == 0
+    for phase in ("queue", "prefill", "decode"):
+        assert s[f"specd_scheduler_request_{phase}_seconds_count"] == 4, phase
 
 
 def test_worker_frees_requests_of_a_dead_scheduler(tmp_path: Path) -> None:

@@ -230,6 +230,14 @@ def test_bad_requests_get_clear_errors_and_others_keep_running(daemon: Daemon) -
     assert daemon.call("/health", key=None) == (200, {"status": "ok", "active_requests": 0})
     status, metrics = daemon.call("/metrics", key=None)
     assert status == 200 and "specd_scheduler_requests_finished_total" in metrics
+    # each request that ran has its time in every phase, its preparation included
+    values = dict(line.rsplit(" ", 1) for line in metrics.splitlines() if line[:1] != "#")
+    counts = {
+        name: float(values[f"specd_scheduler_request_{name}_seconds_count"])
+        for name in ("prep", "queue", "prefill", "decode")
+    }
+    assert counts["prep"] >= 1 and len(set(counts.values())) == 1, counts
+    assert float(values["specd_scheduler_request_decode_seconds_sum"]) > 0
     status, models = daemon.call("/v1/models")
     assert models["data"][0]["id"] == "tiny"
 
@@ -464,6 +472,13 @@ def test_data_parallel_spreads_requests_over_two_workers(
             and 'reason="length"' in line
         ]
         assert len(served) == 2, served
+        # the process's garbage collector is one process's: given once, without a worker label
+        gc_lines = [x for x in metrics.splitlines() if x.startswith("specd_scheduler_gc_")]
+        assert [x.split(" ")[0] for x in gc_lines] == [
+            "specd_scheduler_gc_pause_seconds_total",
+            "specd_scheduler_gc_collections_total",
+            "specd_scheduler_gc_full_collections_total",
+        ], gc_lines
         d.proc.send_signal(signal.SIGTERM)
         assert d.proc.wait(timeout=60) == 0
     finally:

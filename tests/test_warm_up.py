@@ -1,6 +1,6 @@
 """The worker's warm-up (worker/warm_up.py): its made-up requests run every drafter's path, drafts
-verified at batch 2 and 1, and leave nothing behind: the runner's greedy output after it is the
-target's own."""
+verified at batch 2 and 1 and at the full batch, and leave nothing behind: the runner's greedy
+output after it is the target's own."""
 
 from __future__ import annotations
 
@@ -45,6 +45,9 @@ def test_the_warm_up_verifies_drafts_and_leaves_the_runner_empty(kind: str) -> N
         # drafts ran at both batch sizes (an n-gram lookup on random prompts may find none)
         assert any(b == 2 and d for b, d in verified) or kind == "ngram", verified
         assert any(b == 1 and d for b, d in verified) or kind == "ngram", verified
+    # the full batch (max_num_seqs = 3): a step at full width whatever the drafter found, and a
+    # plain one
+    assert (3, 3 * K) in verified and (3, 0) in verified, verified
     assert not runner.states.slot_of
     blocks = runner.target.kv_cache.blocks
     assert blocks.num_free == blocks.num_blocks

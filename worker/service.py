@@ -180,18 +180,21 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         num_kv_blocks=executor.kv_cache.num_blocks,
         kv_block_size=executor.kv_cache.block_size,
     )
-    # what start-up made (modules, weights' wrappers, graphs) leaves the collector's reach: a
-    # full collection inside a step would walk it all (protocol/gc_heap.py)
-    frozen = freeze_heap()
     log.info(
-        "models ready in %.1f s (drafter %s, k=%d, batch_invariant %s, %d objects frozen)",
+        "models ready in %.1f s (drafter %s, k=%d, batch_invariant %s)",
         time.monotonic() - t0,
         drafter.name,
         k,
         invariant,
-        frozen,
     )
     return runner, ready
+
+
+def freeze_startup_heap() -> None:
+    """What start-up made (modules, weights' wrappers, graphs) leaves the collector's reach: a
+    full collection inside a step would walk it all (protocol/gc_heap.py). A daemon's process
+    only, after ``build_runner``."""
+    log.info("%d objects frozen", freeze_heap())
 
 
 class WorkerLoop:
@@ -566,6 +569,7 @@ def follower_main(cfg: WorkerConfig) -> int:
     join_tp_group(cfg, cfg.tp_init)
     try:
         runner, _ready = build_runner(cfg)
+        freeze_startup_heap()
         return follow(runner, runner.device)
     except Exception:
         log.exception("tensor-parallel rank %d failed", cfg.tp_rank)
@@ -595,6 +599,7 @@ def serve(
             return EXIT_LOAD
         if ranks:
             runner = BroadcastRunner(runner, runner.device)  # type: ignore[assignment]
+        freeze_startup_heap()
         metrics = WorkerMetrics()
         if cfg.metrics_port:
             metrics_port = metrics.serve(cfg.metrics_port)
