@@ -349,6 +349,7 @@ class Engine:
             cur,
             result.output,
             now - (self._last_output_s if self._went_on else max(self._last_output_s, sent_s)),
+            queued=sent_s < self._last_output_s,
         )
         self._last_output_s = now
         failed = []
@@ -431,7 +432,9 @@ class Engine:
                 self.client.send_step(self.scheduler.deferred_bitmask(self.in_flight[0]))
                 self.num_deferred_bitmasks += 1
 
-    def _observe(self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float) -> None:
+    def _observe(
+        self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float, queued: bool = False
+    ) -> None:
         """Feed the speculation tuner the cost of a step (``seconds``: the cycle from the output
         before, see ``_step``), at the width the worker ran: with overlap the step's widths are
         caps, and a request runs only the drafts the worker proposed (none after a proposal of
@@ -442,7 +445,8 @@ class Engine:
         alone left the tuner unmeasured there, drafting at full width whatever it cost (the
         draft model served at 0.38x no drafts). With ``--step-trace`` the same figures, and the
         tuner's choice for the step, go to the trace as one JSON line (with or without a
-        tuner)."""
+        tuner); ``queued``: the step was sent before the output ahead of it came (overlap: it
+        waited behind that step in the worker; False after a drain, as after a drafting step)."""
         tuner = self.scheduler.tuner
         counts = sched.num_scheduled_tokens
         if (tuner is None and self._trace is None) or not len(counts):
@@ -471,6 +475,7 @@ class Engine:
                         # requests with drafts to verify, all decoding requests, and why it
                         # proposed what it did after it (spec_tuner.py: hold, ends, explore, best)
                         "choice": self.scheduler.choices.get(sched.step_id, (-1, 0, 0, "")),
+                        "queued": queued,
                     }
                 )
                 + "\n"

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -106,6 +107,16 @@ def scrape(port: int) -> dict[str, float]:
     return out
 
 
+def assert_cycles_add_up(trace: list[dict[str, Any]]) -> None:
+    """A step's time in a ``--step-trace`` is the cycle from the output before it (the
+    scheduler's turnaround included), so consecutive steps' times add up to the wall time
+    between their outputs."""
+    pairs = [(a, b) for a, b in itertools.pairwise(trace) if b["step"] == a["step"] + 1]
+    assert len(pairs) >= 5
+    cycle_ms = sum(1000 * (b["t"] - a["t"]) for a, b in pairs)
+    assert sum(b["ms"] for _, b in pairs) == pytest.approx(cycle_ms, rel=0.03)
+
+
 def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     model = save_byte_model("llama", 6, tmp_path / "m")
     log = tmp_path / "worker.log"
@@ -154,12 +165,8 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
     assert sum(x["drafts"] for x in trace) == w["specd_worker_draft_tokens_total"]
     assert all(x["ms"] > 0 and 1 <= x["width"] <= 5 and x["reqs"] >= 1 for x in trace)
     assert any(x["prefill"] > 0 for x in trace)
-    # A step's time is the cycle from the output before it (the scheduler's turnaround
-    # included), so consecutive steps' times add up to the wall time between their outputs.
-    pairs = [(a, b) for a, b in itertools.pairwise(trace) if b["step"] == a["step"] + 1]
-    assert len(pairs) >= 5
-    cycle_ms = sum(1000 * (b["t"] - a["t"]) for a, b in pairs)
-    assert sum(b["ms"] for _, b in pairs) == pytest.approx(cycle_ms, rel=0.03)
+    assert_cycles_add_up(trace)
+    assert not any(x["queued"] for x in trace)  # sync: each step sent after the output before
     # the garbage collector: the start-up heap frozen (logged), the pauses counted both sides
     assert int(logged(log, r"(\d+) objects frozen").group(1)) > 10_000
     assert w["specd_worker_gc_collections_total"] >= w["specd_worker_gc_full_collections_total"]

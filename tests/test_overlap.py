@@ -16,6 +16,7 @@ import pytest
 from protocol.messages import SchedulerOutput
 from scheduler_client import Engine
 from tests.models import greedy_reference, reference_copy, tiny_model
+from tests.test_operations import assert_cycles_add_up
 from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
 
 
@@ -167,3 +168,23 @@ def test_a_refused_step_with_the_next_already_queued_loses_nothing(
         assert calls[0] >= 8
     finally:
         eng.close()
+
+
+def test_overlap_steps_queue_behind_the_one_before_and_their_cycles_add_up(
+    target_dir: Path, tmp_path: Path
+) -> None:
+    """With overlap and no drafter, a step is sent before the output ahead of it (``queued`` in
+    the step trace), and each step's time is the cycle from that output: consecutive steps'
+    times add up to the wall time between their outputs."""
+    trace_file = tmp_path / "steps.jsonl"
+    eng = engine(target_dir, "none", async_scheduling=True, step_trace=str(trace_file))
+    try:
+        reqs = eng.generate(
+            [{"prompt": p, "max_tokens": 24, "ignore_eos": True} for p in prompts(4)]
+        )
+        assert all(r.error is None for r in reqs)
+    finally:
+        eng.close()
+    trace = [json.loads(x) for x in trace_file.read_text().splitlines()]
+    assert sum(x["queued"] for x in trace) > len(trace) // 2, trace
+    assert_cycles_add_up(trace)
