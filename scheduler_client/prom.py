@@ -17,34 +17,30 @@ from scheduler_client.spec_tuner import SpeculationTuner
 PHASE_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-PROCESS_WIDE = "specd_scheduler_gc_"  # families every registry reports alike (the process's)
-
-
 def merged_registry(registries: list[CollectorRegistry]) -> CollectorRegistry:
-    """One registry for /metrics: with one worker its own; with several, every sample labelled
-    ``worker="i"`` under one family per metric (duplicate families would be invalid), but for
-    the process-wide ones (``PROCESS_WIDE``), given once without a label."""
-    if len(registries) == 1:
-        return registries[0]
+    """One registry for /metrics: the engines' metrics (with one worker its own; with several,
+    every sample labelled ``worker="i"`` under one family per metric: duplicate families would
+    be invalid), and the process's garbage collector once, unlabelled (``GcCollector``)."""
 
     class Merged:
         def collect(self) -> Iterator[Metric]:
+            if len(registries) == 1:
+                yield from registries[0].collect()
+                return
             families: dict[str, Metric] = {}
             for i, reg in enumerate(registries):
                 for fam in reg.collect():
-                    process_wide = fam.name.startswith(PROCESS_WIDE)
-                    if process_wide and i:
-                        continue
                     out = families.setdefault(
                         fam.name, Metric(fam.name, fam.documentation, fam.type, fam.unit)
                     )
                     for smp in fam.samples:
-                        labels = smp.labels if process_wide else {**smp.labels, "worker": str(i)}
+                        labels = {**smp.labels, "worker": str(i)}
                         out.add_sample(smp.name, labels, smp.value, smp.timestamp, smp.exemplar)
             yield from families.values()
 
     merged = CollectorRegistry()
     merged.register(Merged())
+    merged.register(GcCollector("specd_scheduler_"))
     return merged
 
 
@@ -108,7 +104,6 @@ class SchedulerMetrics:
             "Running requests preempted for want of KV blocks (recomputed later), since start",
             registry=r,
         )
-        r.register(GcCollector("specd_scheduler_"))
         # a finished request's time in each phase (vLLM's request_queue_time_seconds and kin)
         self.phase_seconds = {
             name: Histogram(
@@ -152,7 +147,8 @@ class SchedulerMetrics:
     def serve(self, port: int, host: str = "127.0.0.1") -> int:
         """Serve ``/metrics`` on ``host``:``port`` (-1: any free port) until ``stop``; returns the
         port."""
-        self.server, _thread = start_http_server(max(port, 0), addr=host, registry=self.registry)
+        registry = merged_registry([self.registry])  # with the process's garbage collector
+        self.server, _thread = start_http_server(max(port, 0), addr=host, registry=registry)
         return int(self.server.server_port)
 
     def stop(self) -> None:

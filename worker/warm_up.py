@@ -45,17 +45,22 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
     if min(lengths) < 1 or runner.states.max_num_seqs < 2 or budget < 2 * (k + 1):
         return 0
     rng = np.random.default_rng(0)
+
+    def made_up(ids: list[str], lengths: list[int], max_tokens: int) -> list[NewRequest]:
+        """Random prompts of ``lengths``; the first request of the first phase is structured."""
+        return [
+            NewRequest(
+                req_id=r,
+                prompt_token_ids=rng.integers(0, vocab_size, n).astype(np.int32),
+                sampling=SamplingParams(max_tokens=max_tokens),
+                num_speculative_tokens=k,
+                structured=r == "warm-up-0",
+            )
+            for r, n in zip(ids, lengths, strict=True)
+        ]
+
     ids = [f"warm-up-{j}" for j in range(len(lengths))]
-    new = [
-        NewRequest(
-            req_id=r,
-            prompt_token_ids=rng.integers(0, vocab_size, n).astype(np.int32),
-            sampling=SamplingParams(max_tokens=2 * STEPS * (k + 1) + 1),
-            num_speculative_tokens=k,
-            structured=r == ids[0],
-        )
-        for r, n in zip(ids, lengths, strict=True)
-    ]
+    new = made_up(ids, lengths, 2 * STEPS * (k + 1) + 1)
     words = (vocab_size + 31) // 32
     widths = dict.fromkeys(ids, 0)  # the drafts each request holds (the worker's own)
     step_id = 0
@@ -108,7 +113,8 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
         step(ids[:1], [1], (), ids[1:] if j == 0 else ())
     step([], [], (), ids[:1])
 
-    # the full batch: as many requests as the budget and the free blocks hold (3 or more)
+    # the full batch: as many requests as the budget and the free blocks hold (3 or more); each
+    # fits max_model_len, which the first phase's 2 * STEPS * (k + 1) + 3 tokens already did
     blocks = runner.target.kv_cache.blocks
     full_len = FULL_PROMPT + 2 * (k + 1) + 2  # its prompt, then what three steps may add
     n = min(
@@ -116,19 +122,10 @@ def warm_up(runner: ModelRunner, k: int, vocab_size: int) -> int:
         budget // max(FULL_PROMPT, k + 1),
         blocks.num_free // int(blocks.blocks_for(full_len)),
     )
-    if n > 2 and full_len <= runner.states.max_model_len:
+    if n > 2:
         full = [f"warm-up-full-{j}" for j in range(n)]
-        new = [
-            NewRequest(
-                req_id=r,
-                prompt_token_ids=rng.integers(0, vocab_size, FULL_PROMPT).astype(np.int32),
-                sampling=SamplingParams(max_tokens=full_len),
-                num_speculative_tokens=k,
-            )
-            for r in full
-        ]
         widths.update(dict.fromkeys(full, 0))
-        step(full, [FULL_PROMPT] * n, new)
+        step(full, [FULL_PROMPT] * n, made_up(full, [FULL_PROMPT] * n, full_len))
         step(full, [1] * n)  # the drafter's own drafts, where it found any
         if k:
             step(full, [1] * n, given=k)
