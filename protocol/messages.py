@@ -162,10 +162,12 @@ class ModelRunnerOutput(_Msg, tag="out", frozen=True):
     None.
 
     ``drafts_follow`` (minor 6): a ``DraftTokenIds`` for this step follows the output. A worker
-    sets it False, and sends none, when no request that sampled got a draft (no drafter, the
-    scheduler's ``max_draft_proposals`` at zero, or no room left), and only for a scheduler that
-    said minor 6 or later in its hello; an older one waits for a ``DraftTokenIds`` after every
-    output that sampled, and gets one. The scheduler then clears the drafts of every request
+    sets it False, and sends none, when its drafter is asked for no draft: no request that
+    sampled has a width (no drafter, the scheduler's ``max_draft_proposals`` at zero, or no room
+    left). The output is sent before the drafter runs, so a lookup that finds nothing still
+    sends its message, with widths of zero. It does so only for a scheduler that said minor 6
+    or later in its hello; an older one waits for a ``DraftTokenIds`` after every output that
+    sampled, and gets one. Without the message the scheduler clears the drafts of every request
     that sampled, as a message of zero widths would have.
     """
 

@@ -319,19 +319,9 @@ class Engine:
                 names, message = self._lost.pop(cur.step_id)
                 return ended + self._refuse(cur, names, message)
             self.outstanding_since = self._sent_mono.get(cur.step_id)
-            result = self.client.receive(cur)
+            result = self.client.receive(cur, with_drafts=False)
         except WorkerDied as e:
-            self._went_on = False  # the next step's time counts from its send
-            self.in_flight.clear()
-            self._sent_s.clear()
-            self._sent_mono.clear()
-            self._lost.clear()
-            self.outstanding_since = None
-            if self.restarts.take():
-                self._recover(e)
-                return ended + self._take_ended()
-            self._fail_all(f"worker died: {e}")
-            raise
+            return ended + self._worker_died(e)
         except StepRefused as e:
             return ended + self._refused(cur, e)
         self._sent_mono.pop(cur.step_id, None)
@@ -358,13 +348,33 @@ class Engine:
                 sch.fail(err.req_id, f"worker refused the request: {err.message}")
                 failed.append(sch.requests[err.req_id])
         done = sch.update(result.output)
-        if result.drafts is not None:
-            sch.take_drafts(result.drafts)
+        # the drafts come after the output: the worker drafts while the tokens are committed
+        try:
+            drafts = self.client.receive_drafts(cur, result.output)
+        except WorkerDied as e:
+            return ended + failed + done + self._worker_died(e)
+        if drafts is not None:
+            sch.take_drafts(drafts)
         elif not result.output.drafts_follow:
             sch.no_drafts(result.output)
         self._went_on = bool(sch.running or sch.waiting)
         self._send_deferred()
         return ended + self._take_ended() + failed + done
+
+    def _worker_died(self, e: WorkerDied) -> list[Request]:
+        """The worker is gone: a new one takes the requests over (``_recover``) while restarts
+        remain; else every request fails and ``e`` is raised."""
+        self._went_on = False  # the next step's time counts from its send
+        self.in_flight.clear()
+        self._sent_s.clear()
+        self._sent_mono.clear()
+        self._lost.clear()
+        self.outstanding_since = None
+        if self.restarts.take():
+            self._recover(e)
+            return self._take_ended()
+        self._fail_all(f"worker died: {e}")
+        raise e
 
     def _send(self, sched: SchedulerOutput) -> None:
         """Send ``sched``; one that cannot be encoded fails the requests that carry the fault

@@ -200,8 +200,9 @@ class WorkerClient:
         """Overlap scheduling: send a step (or a step's deferred rows) without waiting."""
         self._send(msg)
 
-    def receive(self, sched: SchedulerOutput) -> StepResult:
-        """The output of a step already sent, and the drafts proposed after it."""
+    def receive(self, sched: SchedulerOutput, with_drafts: bool = True) -> StepResult:
+        """The output of a step already sent, and (``with_drafts``) the drafts proposed after
+        it; else those are ``receive_drafts``' to read, once the output is committed."""
         deadline = time.monotonic() + self.step_timeout_s
         errors: list[WorkerError] = []
         while True:
@@ -239,14 +240,22 @@ class WorkerClient:
                     )
                 )
             # anything else (a late pong, an old step's output or drafts) is stale: drop it
-        drafts = None
-        if msg.drafts_follow and int(msg.num_sampled.sum()) > 0:
-            while True:
-                d = self._recv(deadline, f"drafts for step {sched.step_id}")
-                if isinstance(d, DraftTokenIds):
-                    drafts = d
-                    break
+        drafts = self.receive_drafts(sched, msg, deadline) if with_drafts else None
         return StepResult(msg, drafts, errors)
+
+    def receive_drafts(
+        self, sched: SchedulerOutput, out: ModelRunnerOutput, deadline: float | None = None
+    ) -> DraftTokenIds | None:
+        """The drafts proposed after ``sched``, whose output ``out`` was received: None when no
+        ``DraftTokenIds`` follows it (``drafts_follow``, or nothing sampled)."""
+        if not (out.drafts_follow and int(out.num_sampled.sum()) > 0):
+            return None
+        if deadline is None:
+            deadline = time.monotonic() + self.step_timeout_s
+        while True:
+            d = self._recv(deadline, f"drafts for step {sched.step_id}")
+            if isinstance(d, DraftTokenIds):
+                return d
 
     def ping(self, timeout_s: float = 5.0) -> Pong:
         """A pong proves the worker's step loop is alive (it answers between steps)."""

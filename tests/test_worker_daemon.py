@@ -158,9 +158,10 @@ def test_handshake_bad_message_then_good_steps(
 def test_a_step_without_drafts_sends_no_draft_message_to_a_minor_6_scheduler(
     worker: tuple[subprocess.Popen[bytes], Channel],
 ) -> None:
-    """Protocol minor 6: after an output whose requests got no draft (a width of zero, the
-    proposals capped at zero, or nothing found) the worker sends no DraftTokenIds and says so
-    (``drafts_follow``); one with drafts is followed by its message. A scheduler of minor 5
+    """Protocol minor 6: after an output whose requests are proposed no draft (a width of zero,
+    or the proposals capped at zero) the worker sends no DraftTokenIds and says so
+    (``drafts_follow``); one with drafts is followed by its message (and so is one whose lookup
+    found nothing: the output goes before the drafter runs, tests/test_output_before_drafts.py). A scheduler of minor 5
     still gets a message after every output that samples (the handshake test above, minor 0)."""
     proc, chan = worker
     chan.send(SchedulerHello(protocol_major=PROTOCOL_MAJOR, protocol_minor=6, scheduler_id="m6"))

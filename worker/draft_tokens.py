@@ -2,9 +2,10 @@
 when the scheduler must validate them against a grammar.
 
 Who calls what: the runner calls ``begin_step`` before a step, ``discard`` for requests that left,
-and ``set_draft_tokens`` after the drafter proposed; the transport asks ``has_drafts`` and calls
-``get_draft_tokens`` once per step, after sending the step's ``ModelRunnerOutput`` (a step without
-drafts sends none to a scheduler of protocol minor 6 or later: ``drafts_follow``). Nothing else
+and ``set_draft_tokens`` after the drafter proposed; the transport calls ``get_draft_tokens`` once
+per step, after sending the step's ``ModelRunnerOutput`` and letting the drafter run (a step that
+proposes nothing sends none to a scheduler of protocol minor 6 or later: ``drafts_follow``,
+``ModelRunner.will_propose``). Nothing else
 touches its stream, event or host buffers.
 
 On CUDA the device-to-host copy runs on a side stream into pinned memory and ``get_draft_tokens``
@@ -88,11 +89,6 @@ class DraftTokensHandler:
             assert self.copy_event is not None
             self.copy_event.record()
         self._draft_np = host.numpy()
-
-    def has_drafts(self) -> bool:
-        """Whether this step's message would carry a draft (a step's message left untaken is
-        dropped by the next ``begin_step``)."""
-        return self._pending and bool(self._num_drafts.any())
 
     def get_draft_tokens(self) -> DraftTokenIds | None:
         """This step's ``DraftTokenIds``, or None when no drafts were set (or all were discarded)."""

@@ -49,6 +49,7 @@ class LaunchedStep:
     num_accepted: np.ndarray | None = None  # [S]
     num_sampled: list[int] = field(default_factory=list)  # [B]
     committed: list[int] = field(default_factory=list)  # [S] (open) each sampler's length after it
+    live: list[bool] = field(default_factory=list)  # [S] (open, once read) each still in its slot
     open: bool = False
     device_tokens: torch.Tensor | None = None
     owners: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
@@ -200,10 +201,18 @@ class ModelRunner:
     @torch.inference_mode()
     def finish(self, step: LaunchedStep) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
         """A launched step's tokens on the host (an open step's copy waited for), its drafts
-        proposed, and its output."""
+        proposed, and its output: ``read_output`` then ``propose_after``."""
+        out = self.read_output(step)
+        self.propose_after(step)
+        return out
+
+    @torch.inference_mode()
+    def read_output(self, step: LaunchedStep) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
+        """A launched step's tokens on the host (an open step's copy waited for) and its output.
+        The drafts for the next step come after it (``propose_after``): the service sends the
+        output first, so the scheduler commits the step's tokens while the drafter works."""
         self.draft_tokens.begin_step(step.sched.step_id)
         batch = step.batch
-        live: list[bool] | None = None  # per sampler: still in its slot (open steps only)
         if step.open:
             self._open.remove(step)
             step.tokens = step.read_tokens()
@@ -212,19 +221,29 @@ class ModelRunner:
             alive = st.generation[slots] == generations
             kept = alive & (positions >= 0)
             st.token_ids[slots[kept], positions[kept]] = step.tokens[kept, 0]
-            live = alive.tolist()
+            step.live = alive.tolist()
+        self.num_steps += 1
         if not batch.req_ids:
-            self.num_steps += 1
             return self.output(
                 step.sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
             ), step.rejected
         assert step.tokens is not None and step.num_accepted is not None
-        committed = step.committed if step.open else None
-        self.propose_drafts(batch, step.sched.max_draft_proposals, live, committed)
-        self.num_steps += 1
         return self.output(
             step.sched.step_id, batch, step.tokens, step.num_sampled, step.num_accepted
         ), step.rejected
+
+    def will_propose(self, step: LaunchedStep) -> bool:
+        """Whether ``propose_after`` asks the drafter for any draft (a request with a width): the
+        output's ``drafts_follow``, known before the drafter runs."""
+        if not step.batch.req_ids:
+            return False
+        return any(self._widths(step.batch, step.sched.max_draft_proposals, step)[2])
+
+    @torch.inference_mode()
+    def propose_after(self, step: LaunchedStep) -> None:
+        """The drafts proposed after a step whose output was read (``read_output``)."""
+        if step.batch.req_ids:
+            self.propose_drafts(step.batch, step.sched.max_draft_proposals, step)
 
     def may_hold(self, sched: SchedulerOutput, batch: StepBatch) -> bool:
         """A step may be left open when it samples, verifies no drafts and proposes none after
@@ -475,35 +494,42 @@ class ModelRunner:
             np.asarray(batch.slots, np.int64), np.asarray(batch.start_positions, np.int64) + valid
         )
 
-    def propose_drafts(
-        self,
-        batch: StepBatch,
-        cap: int = -1,
-        live: list[bool] | None = None,
-        committed: list[int] | None = None,
-    ) -> None:
-        """Drafts for every request that sampled: at most its own width, the room left in its
-        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap).
-
-        Every request that sampled is listed in the step's ``DraftTokenIds`` (the scheduler
-        waits for one after an output that sampled), with ``committed`` [S] its length after
-        this step (default: its length now). ``live`` [S] (an open step's): False for a request
-        that left while the step was open; then every request is listed with width 0."""
+    def _widths(
+        self, batch: StepBatch, cap: int, step: LaunchedStep | None
+    ) -> tuple[list[int], np.ndarray, list[int], bool]:
+        """The requests that sampled (slots), their lengths after the step and the widths to
+        propose (each at most its own width, the room left in its context, and ``cap``; -1: no
+        cap), and whether a request left while the step was open (then every width is 0)."""
         st = self.states
         slots = [batch.slots[i] for i in batch.sample_idx]
-        req_ids = [batch.req_ids[i] for i in batch.sample_idx]
-        self._last_probs, self._last_row_of = None, {}
-        if not slots:
-            return
+        committed = step.committed if step is not None and step.open else None
+        live = step.live if step is not None and step.open else None
         lengths = st.num_tokens[slots] if committed is None else np.asarray(committed, np.int64)
         # only an open step sees its requests leave, and a step is held only when it proposes
         # nothing (may_hold): there are no drafts to keep, and a slot taken since is not touched
         # (``_hold`` cleared the drafts of every request still in its slot)
         left = live is not None and not all(live)
         widths: list[int] = []
-        if not left:
+        if not left and slots:
             room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
             widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
+        return slots, lengths, widths, left
+
+    def propose_drafts(
+        self, batch: StepBatch, cap: int = -1, step: LaunchedStep | None = None
+    ) -> None:
+        """Drafts for every request that sampled: at most its own width, the room left in its
+        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap).
+
+        Every request that sampled is listed in the step's ``DraftTokenIds`` (the scheduler
+        waits for one after an output that sampled), with its length after the step. For an
+        open ``step``, a request that left while it was open lists every request with width 0."""
+        st = self.states
+        slots, lengths, widths, left = self._widths(batch, cap, step)
+        req_ids = [batch.req_ids[i] for i in batch.sample_idx]
+        self._last_probs, self._last_row_of = None, {}
+        if not slots:
+            return
         if not any(widths):
             # nothing to propose (a request left, the tuner keeps drafting at zero, or no
             # request has room): every drafter would return an empty proposal; the prompt-lookup

@@ -432,23 +432,28 @@ class WorkerLoop:
     def answer(
         self, identity: bytes, launched: LaunchedStep, t0: float, num_running: int, kv_free: int
     ) -> None:
-        """A launched step finished: its refusals, its output, its drafts. Its time counts from
-        its launch or from the end of the step before, whichever is later (steps overlap)."""
-        out, rejected = self.runner.finish(launched)
-        quiet = self.peer_minor >= 6 and not self.runner.draft_tokens.has_drafts()
+        """A launched step finished: its refusals, its output, then its drafts. The output goes
+        before the drafter runs, so the scheduler commits the step's tokens (detokenizes,
+        streams, advances grammars) while the drafts are made; ``drafts_follow`` says whether a
+        ``DraftTokenIds`` comes after it. Its time counts from its launch or from the end of the
+        step before, whichever is later (steps overlap), to its drafts."""
+        out, rejected = self.runner.read_output(launched)
+        # a step that proposes nothing sends no DraftTokenIds to a scheduler of protocol minor 6
+        # or later: the scheduler clears its requests' drafts itself (at batch 64 the message
+        # was an encode, a send, a decode and a loop a step)
+        quiet = self.peer_minor >= 6 and not self.runner.will_propose(launched)
         if quiet:
-            # no request got a draft: no DraftTokenIds, the scheduler clears their drafts itself
-            # (at batch 64 the message was an encode, a send, a decode and a loop a step)
             out = msgspec.structs.replace(out, drafts_follow=False)
         for err in rejected:
             self.reply(identity, refusal(err, launched.sched.step_id))
         self.reply(identity, out)
-        now = time.perf_counter()
-        self.metrics.record_step(out, now - max(t0, self._last_end), num_running, kv_free)
-        self._last_end = now
+        self.runner.propose_after(launched)
         drafts = None if quiet else self.runner.take_draft_tokens()
         if drafts is not None:
             self.reply(identity, drafts)
+        now = time.perf_counter()
+        self.metrics.record_step(out, now - max(t0, self._last_end), num_running, kv_free)
+        self._last_end = now
 
     def wait_bitmask(self, step_id: int) -> StepBitmask:
         """Overlap scheduling: the step's deferred grammar rows, read while the GPU computes.
