@@ -1,12 +1,15 @@
 """The worker sends a step's output before its drafter runs: the scheduler commits the step's
 tokens (detokenizes, streams, advances grammars) while the drafts are made, and in sync mode that
 turnaround no longer adds to a drafting step. Its ``DraftTokenIds`` follows; ``drafts_follow`` is
-known before the drafter runs (a request with a width), so a width whose lookup finds nothing
-still sends one, with zero drafts for it."""
+known before the drafter runs (a request with a width, and a drafter), so a width whose lookup
+finds nothing still sends one, with zero drafts for it, and a worker without a drafter sends
+none."""
 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -26,13 +29,15 @@ from protocol import (
     WorkerReady,
     connect_dealer,
 )
-from protocol.transport import bind_router
+from protocol.transport import Channel, bind_router
 from tests.models import save_tiny
 from worker.config import parse_args
-from worker.runner import LaunchedStep
+from worker.runner import LaunchedStep, ModelRunner
 from worker.service import WorkerLoop, build_runner
 
 WAIT_S = 20.0
+REPEATS = [5, 6, 7, 5, 6, 7, 5, 6]
+UNIQUE = [9, 14, 21, 30, 41, 8, 3]
 
 
 def _step(
@@ -51,67 +56,97 @@ def _step(
     )
 
 
-def test_the_output_reaches_the_scheduler_before_the_drafter_runs(
-    tmp_path: Path, ipc_addr: str
-) -> None:
-    model = save_tiny("llama", 11, tmp_path / "tiny")
+STEPS = [
+    _step(
+        0,
+        [
+            NewRequest("r", np.array(REPEATS, np.int32), SamplingParams(), 3),
+            NewRequest("u", np.array(UNIQUE, np.int32), SamplingParams(), 3),
+        ],
+        ["r", "u"],
+        [len(REPEATS), len(UNIQUE)],
+    ),
+    _step(1, [], ["u"], [1]),
+]
+
+
+@contextmanager
+def serving(model: Path, ipc_addr: str, *args: str) -> Iterator[tuple[ModelRunner, Channel]]:
+    """A ``WorkerLoop`` on a thread of this process, bound on ``ipc_addr``; yields its runner
+    and a scheduler's channel that said hello."""
     cfg = parse_args(
         [
-            *("--model", str(model), "--drafter", "ngram", "--num-speculative-tokens", "3"),
-            *("--device", "cpu", "--max-num-seqs", "2", "--max-model-len", "64"),
+            *("--model", str(model), "--device", "cpu", *args),
+            *("--max-num-seqs", "2", "--max-model-len", "64"),
         ]
     )
     runner, ready = build_runner(cfg)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = bind_router(ctx, ipc_addr, TransportConfig())
     dealer = connect_dealer(ctx, ipc_addr, TransportConfig(send_timeout_ms=30_000))
-    loop = WorkerLoop(router, runner, ready)
-    got_output = threading.Event()
-    seen: list[bool] = []  # per proposal: had the scheduler read the step's output by then?
-    propose_after = runner.propose_after
-
-    def watched(step: LaunchedStep) -> None:
-        seen.append(got_output.wait(WAIT_S))
-        propose_after(step)
-
-    runner.propose_after = watched  # type: ignore[method-assign]
-    serving = threading.Thread(target=loop.serve, daemon=True)
-    serving.start()
+    thread = threading.Thread(target=WorkerLoop(router, runner, ready).serve, daemon=True)
+    thread.start()
     try:
         dealer.send(SchedulerHello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "order"))
         hello = dealer.recv(30_000)
         assert hello is not None and isinstance(hello[1], WorkerReady)
-        repeats = [5, 6, 7, 5, 6, 7, 5, 6]
-        unique = [9, 14, 21, 30, 41, 8, 3]
-        for step_id, sched in enumerate(
-            [
-                _step(
-                    0,
-                    [
-                        NewRequest("r", np.array(repeats, np.int32), SamplingParams(), 3),
-                        NewRequest("u", np.array(unique, np.int32), SamplingParams(), 3),
-                    ],
-                    ["r", "u"],
-                    [len(repeats), len(unique)],
-                ),
-                _step(1, [], ["u"], [1]),
-            ]
-        ):
-            got_output.clear()
-            dealer.send(sched)
-            out = dealer.recv(30_000)
-            assert out is not None and isinstance(out[1], ModelRunnerOutput), out
-            assert out[1].step_id == step_id and out[1].drafts_follow
-            got_output.set()
-            drafts = dealer.recv(30_000)
-            assert drafts is not None and isinstance(drafts[1], DraftTokenIds), drafts
-            assert drafts[1].step_id == step_id
-            assert drafts[1].req_ids == (["r", "u"] if step_id == 0 else ["u"])
-        assert seen == [True, True], "the drafter ran before the step's output was sent"
+        yield runner, dealer
     finally:
-        got_output.set()
         dealer.send(Shutdown(reason="test over"))
-        serving.join(timeout=30)
+        thread.join(timeout=30)
         dealer.close()
         router.close()
         ctx.term()
+
+
+def _output(dealer: Channel, sched: SchedulerOutput) -> ModelRunnerOutput:
+    dealer.send(sched)
+    out = dealer.recv(30_000)
+    assert out is not None and isinstance(out[1], ModelRunnerOutput), out
+    assert out[1].step_id == sched.step_id
+    return out[1]
+
+
+def test_the_output_reaches_the_scheduler_before_the_drafter_runs(
+    tmp_path: Path, ipc_addr: str
+) -> None:
+    model = save_tiny("llama", 11, tmp_path / "tiny")
+    got_output = threading.Event()
+    seen: list[bool] = []  # per proposal: had the scheduler read the step's output by then?
+    with serving(model, ipc_addr, "--drafter", "ngram", "--num-speculative-tokens", "3") as (
+        runner,
+        dealer,
+    ):
+        propose_after = runner.propose_after
+
+        def watched(step: LaunchedStep) -> None:
+            seen.append(got_output.wait(WAIT_S))
+            propose_after(step)
+
+        runner.propose_after = watched  # type: ignore[method-assign]
+        try:
+            for sched in STEPS:
+                got_output.clear()
+                out = _output(dealer, sched)
+                got_output.set()
+                assert out.drafts_follow
+                drafts = dealer.recv(30_000)
+                assert drafts is not None and isinstance(drafts[1], DraftTokenIds), drafts
+                assert drafts[1].step_id == sched.step_id
+                assert drafts[1].req_ids == (["r", "u"] if sched.step_id == 0 else ["u"])
+        finally:
+            got_output.set()
+    assert seen == [True, True], "the drafter ran before the step's output was sent"
+
+
+def test_a_worker_without_a_drafter_sends_no_drafts(tmp_path: Path, ipc_addr: str) -> None:
+    """Requests keep their widths without a drafter (the scheduler's grammar-forced drafts), and
+    nothing is proposed for them: no ``DraftTokenIds`` after any output."""
+    model = save_tiny("llama", 11, tmp_path / "tiny")
+    with serving(model, ipc_addr, "--drafter", "none", "--num-speculative-tokens", "3") as (
+        _,
+        dealer,
+    ):
+        for sched in STEPS:
+            assert not _output(dealer, sched).drafts_follow
+        assert dealer.recv(500) is None, "a message followed the last output"

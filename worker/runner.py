@@ -510,7 +510,9 @@ class ModelRunner:
         # (``_hold`` cleared the drafts of every request still in its slot)
         left = live is not None and not all(live)
         widths: list[int] = []
-        if not left and slots:
+        # without a drafter requests still have widths (the scheduler's grammar-forced drafts),
+        # and nothing is proposed for them: no DraftTokenIds follows
+        if not left and slots and not isinstance(self.drafter, NoDrafter):
             room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
             widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
         return slots, lengths, widths, left
