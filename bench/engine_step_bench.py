@@ -21,8 +21,10 @@ not a served row's: the HTTP door, the client and the GPU are not in them.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
 import os
+import pstats
 import shutil
 import sys
 import tempfile
@@ -60,6 +62,13 @@ def main() -> None:
     ap.add_argument(
         "--full-width", action="store_true", help="no tuner: every step drafts at full width"
     )
+    ap.add_argument(
+        "--cprofile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the run (cProfile) and print its N dearest functions, own time a step",
+    )
     a = ap.parse_args()
     root = os.path.abspath(a.root)
     sys.path.insert(0, root)
@@ -93,7 +102,12 @@ def main() -> None:
             for w in workload:
                 engine.add_request(**dict(w, max_tokens=a.max_tokens, ignore_eos=True))
             steps0, cpu0, t0 = engine.scheduler.step_id, time.process_time(), time.perf_counter()
+            prof = cProfile.Profile() if a.cprofile else None
+            if prof is not None:
+                prof.enable()
             engine.run_until_done()
+            if prof is not None:
+                prof.disable()
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             steps = engine.scheduler.step_id - steps0
             m = engine.scheduler.metrics
@@ -104,6 +118,13 @@ def main() -> None:
         f"(wall {wall / steps * 1e3:.2f} ms a step); drafts {m.num_draft_tokens}, accepted "
         f"{m.num_accepted}"
     )
+    if prof is not None:
+        # own time a step, in microseconds (cProfile's overhead inflates every figure alike)
+        stats = pstats.Stats(prof)
+        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+        for (file, line, func), (_, calls, own, _cum, _) in rows[: a.cprofile]:
+            where = f"{os.path.relpath(file, root) if file.startswith(root) else file}:{line}"
+            print(f"{own / steps * 1e6:9.1f} us {calls / steps:7.2f} calls  {func} ({where})")
 
 
 if __name__ == "__main__":
