@@ -6,7 +6,11 @@ its end through that request's own ``Stream``; nothing else touches the engine.
 
 With a ``Preparer`` (the daemon always has one), a request is first prepared off this thread
 (limits, chat template, tokenizing, grammar: prep.py) and joins the scheduler when that is done;
-an abort while it is being prepared ends it there, and a preparation error refuses it alone.
+an abort while it is being prepared ends it there, and a preparation error refuses it alone. Its
+preparation starts as it is submitted, on the submitting thread, while a step may be under way:
+this thread takes its inbox only between steps, and a request that waited there for the step to
+end before its preparation began, then for the next step to end before it joined, reached the
+scheduler two steps after it came.
 """
 
 from __future__ import annotations
@@ -195,10 +199,18 @@ class EngineLoop:
     def submit_stream(self, request: dict[str, Any], stream: Stream) -> Stream:
         """``submit`` with the reader's ``stream`` made by the caller."""
         request = with_req_id(request)
-        stream.req_id = request["req_id"]  # known at once, so an abort can name it
+        req_id = stream.req_id = request["req_id"]  # known at once, so an abort can name it
         with self._ended_lock:
             if not self.ended:
-                self._inbox.put(("add", request, stream))
+                if self.prep is None or self.draining:
+                    self._inbox.put(("add", request, stream))
+                    return stream
+                # prepared from now on, meanwhile the engine's thread runs its step; its
+                # "prepared" event comes after its "add" (the callback is added after the put)
+                arrived = time.monotonic()
+                future = self.prep.submit(request)
+                self._inbox.put(("add", (request, future, arrived), stream))
+                future.add_done_callback(lambda f: self._inbox.put(("prepared", (req_id, f), None)))
                 return stream
         stream.put(Refused(self._gone_reason(), 503))
         if self.after_step is not None:
@@ -319,34 +331,44 @@ class EngineLoop:
                 preparing[1].cancel()
                 preparing[0].put(Refused("the request was aborted before it started"))
         elif kind == "prepared":
-            self._join(arg)
+            self._join(*arg)
         else:
             assert stream is not None
             self._add(arg, stream)
 
-    def _add(self, request: dict[str, Any], stream: Stream) -> None:
+    def _add(
+        self,
+        request: dict[str, Any] | tuple[dict[str, Any], Future[dict[str, Any]], float],
+        stream: Stream,
+    ) -> None:
+        """A submitted request: its arguments, or (with a ``Preparer``) the arguments, their
+        preparation (under way since it was submitted) and when it came in."""
+        future = None
+        if isinstance(request, tuple):
+            request, future, arrived = request
         if self.draining:
+            if future is not None:
+                future.cancel()  # (a preparation under way runs on; its result is dropped)
             stream.put(Refused(SHUTTING_DOWN, 503))
             return
-        if self.prep is None:
+        if future is None:
             self._start(request, stream)
             return
         req_id = request["req_id"]
         if req_id in self._preparing or req_id in self.engine.scheduler.requests:
+            future.cancel()
             stream.put(Refused(f"request id {req_id!r} is already in use"))
             return
-        arrived = time.monotonic()
-        future = self.prep.submit(request)
+        # NOTE: the future's callback runs on a preparation thread (or on the submitting one):
+        # it only posts to the inbox; this thread takes the result in _join
         self._preparing[req_id] = (stream, future, arrived)
-        # NOTE: the callback runs on a preparation thread (or here, if it is already done): it
-        # only posts to the inbox; this thread takes the result in _join
-        future.add_done_callback(lambda _f: self._inbox.put(("prepared", req_id, None)))
 
-    def _join(self, req_id: str) -> None:
+    def _join(self, req_id: str, future: Future[dict[str, Any]]) -> None:
         """A preparation ended: its request joins the scheduler, or is refused."""
-        preparing = self._preparing.pop(req_id, None)
-        if preparing is None:
-            return  # aborted (or refused by the drain) while it was prepared
+        preparing = self._preparing.get(req_id)
+        if preparing is None or preparing[1] is not future:
+            return  # aborted or refused (the drain, an id in use) while it was prepared
+        del self._preparing[req_id]
         stream, future, arrived = preparing
         try:
             request = future.result()

@@ -148,6 +148,34 @@ def test_preparation_errors_refuse_only_that_request(loop: EngineLoop) -> None:
     assert isinstance(last, Done) and len(last.result.output_ids) == 3
 
 
+def test_a_request_is_prepared_while_the_engine_thread_is_busy(loop: EngineLoop) -> None:
+    """The engine's thread takes its inbox only between steps. A request's preparation starts as
+    it is submitted: held up on that thread (as by a step), the request is prepared meanwhile,
+    and its "prepared" event waits in the inbox behind its "add". Before, its preparation began
+    only once the thread was free, and it joined the scheduler a step later."""
+    armed, held, release = threading.Event(), threading.Event(), threading.Event()
+
+    def hold_up() -> None:
+        if armed.is_set():
+            armed.clear()
+            held.set()
+            release.wait(60)
+
+    loop.after_step = hold_up
+    try:
+        armed.set()
+        assert held.wait(30), "the engine's thread did not come round"
+        stream = loop.submit({"prompt": "abc", "max_tokens": 2, "ignore_eos": True})
+        wait_until(lambda: loop._inbox.qsize() >= 2, 30, "its preparation ended meanwhile")
+    finally:
+        release.set()
+        loop.after_step = None
+    last = stream.get(timeout_s=120)
+    while not isinstance(last, Done | Refused):
+        last = stream.get(timeout_s=120)
+    assert isinstance(last, Done) and len(last.result.output_ids) == 2, last
+
+
 # -- through a running daemon --------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def daemon(tmp_path_factory: pytest.TempPathFactory, target_dir: Path) -> Iterator[Daemon]:
