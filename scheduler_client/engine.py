@@ -325,7 +325,6 @@ class Engine:
         except StepRefused as e:
             return ended + self._refused(cur, e)
         self._sent_mono.pop(cur.step_id, None)
-        self._mark_outstanding()
         now = time.perf_counter()
         # A step's time is the cycle from the last output to its own: the scheduler's turnaround
         # (committing the output, checking drafts against grammars, the next step's layout) is
@@ -349,10 +348,12 @@ class Engine:
                 failed.append(sch.requests[err.req_id])
         done = sch.update(result.output)
         # the drafts come after the output: the worker drafts while the tokens are committed
+        # (and may stall there: the step stays outstanding until they are in, for ``health``)
         try:
             drafts = self.client.receive_drafts(cur, result.output)
         except WorkerDied as e:
             return ended + failed + done + self._worker_died(e)
+        self._mark_outstanding()
         if drafts is not None:
             sch.take_drafts(drafts)
         elif not result.output.drafts_follow:

@@ -208,7 +208,11 @@ class EngineLoop:
                 # prepared from now on, meanwhile the engine's thread runs its step; its
                 # "prepared" event comes after its "add" (the callback is added after the put)
                 arrived = time.monotonic()
-                future = self.prep.submit(request)
+                try:
+                    future = self.prep.submit(request)
+                except RuntimeError as e:  # its pools shut down (the daemon is stopping)
+                    stream.put(Refused(f"the request could not be prepared: {e}", 503))
+                    return stream
                 self._inbox.put(("add", (request, future, arrived), stream))
                 future.add_done_callback(lambda f: self._inbox.put(("prepared", (req_id, f), None)))
                 return stream
@@ -259,10 +263,12 @@ class EngineLoop:
         """The requests still in the inbox once ``run`` has ended: each one refused (503)."""
         while True:
             try:
-                kind, _arg, stream = self._inbox.get_nowait()
+                kind, arg, stream = self._inbox.get_nowait()
             except queue.Empty:
                 return
             if kind == "add" and stream is not None:
+                if isinstance(arg, tuple):
+                    arg[1].cancel()  # its preparation, if it has not begun
                 stream.put(Refused(self._gone_reason(), 503))
 
     def _run(self) -> None:

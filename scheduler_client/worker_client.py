@@ -254,8 +254,17 @@ class WorkerClient:
             deadline = time.monotonic() + self.step_timeout_s
         while True:
             d = self._recv(deadline, f"drafts for step {sched.step_id}")
-            if isinstance(d, DraftTokenIds):
+            if isinstance(d, DraftTokenIds) and d.step_id == sched.step_id:
                 return d
+            # the drafter runs after the output went: a worker that fails there says so now
+            if isinstance(d, WorkerError) and d.fatal:
+                raise WorkerDied(f"worker failed: {d.code}: {d.message}")
+            if _unexpected(d, sched.step_id):
+                raise WorkerDied(
+                    f"the worker sent {_describe(d)} where the drafts of step {sched.step_id} "
+                    "were due"
+                )
+            # anything else (a late pong, an earlier step's message, an error) is stale: dropped
 
     def ping(self, timeout_s: float = 5.0) -> Pong:
         """A pong proves the worker's step loop is alive (it answers between steps)."""

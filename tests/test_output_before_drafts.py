@@ -8,11 +8,13 @@ none."""
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
+import pytest
 import zmq
 
 from protocol import (
@@ -26,11 +28,16 @@ from protocol import (
     SchedulerOutput,
     Shutdown,
     TransportConfig,
+    WorkerError,
     WorkerReady,
     connect_dealer,
 )
 from protocol.transport import Channel, bind_router
-from tests.models import save_tiny
+from scheduler_client.engine import Engine, EngineConfig
+from scheduler_client.engine_loop import EngineLoop
+from scheduler_client.scheduler import SchedulerConfig
+from scheduler_client.worker_client import WorkerClient, WorkerDied
+from tests.models import BYTE_MODEL_SEED, save_byte_model, save_tiny
 from worker.config import parse_args
 from worker.runner import LaunchedStep, ModelRunner
 from worker.service import WorkerLoop, build_runner
@@ -71,9 +78,12 @@ STEPS = [
 
 
 @contextmanager
-def serving(model: Path, ipc_addr: str, *args: str) -> Iterator[tuple[ModelRunner, Channel]]:
-    """A ``WorkerLoop`` on a thread of this process, bound on ``ipc_addr``; yields its runner
-    and a scheduler's channel that said hello."""
+def worker_loop(
+    model: Path, ipc_addr: str, *args: str, fail_to_peer: bool = False
+) -> Iterator[ModelRunner]:
+    """A ``WorkerLoop`` on a thread of this process, bound on ``ipc_addr``; yields its runner.
+    ``fail_to_peer``: an exception in the loop goes to the peer as a fatal ``WorkerError``, as
+    ``worker.service.serve`` sends it."""
     cfg = parse_args(
         [
             *("--model", str(model), "--device", "cpu", *args),
@@ -83,20 +93,42 @@ def serving(model: Path, ipc_addr: str, *args: str) -> Iterator[tuple[ModelRunne
     runner, ready = build_runner(cfg)
     ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
     router = bind_router(ctx, ipc_addr, TransportConfig())
-    dealer = connect_dealer(ctx, ipc_addr, TransportConfig(send_timeout_ms=30_000))
-    thread = threading.Thread(target=WorkerLoop(router, runner, ready).serve, daemon=True)
+    loop = WorkerLoop(router, runner, ready)
+
+    def serve() -> None:
+        try:
+            loop.serve()
+        except Exception as e:
+            if not fail_to_peer or loop.peer is None:
+                raise
+            loop.reply(loop.peer, WorkerError(code="fatal", message=repr(e), fatal=True))
+
+    thread = threading.Thread(target=serve, daemon=True)
     thread.start()
     try:
-        dealer.send(SchedulerHello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "order"))
-        hello = dealer.recv(30_000)
-        assert hello is not None and isinstance(hello[1], WorkerReady)
-        yield runner, dealer
+        yield runner
     finally:
-        dealer.send(Shutdown(reason="test over"))
+        loop.stopping = True
         thread.join(timeout=30)
-        dealer.close()
         router.close()
         ctx.term()
+
+
+@contextmanager
+def serving(model: Path, ipc_addr: str, *args: str) -> Iterator[tuple[ModelRunner, Channel]]:
+    """``worker_loop``, and a scheduler's channel that said hello."""
+    with worker_loop(model, ipc_addr, *args) as runner:
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        dealer = connect_dealer(ctx, ipc_addr, TransportConfig(send_timeout_ms=30_000))
+        try:
+            dealer.send(SchedulerHello(PROTOCOL_MAJOR, PROTOCOL_MINOR, "order"))
+            hello = dealer.recv(30_000)
+            assert hello is not None and isinstance(hello[1], WorkerReady)
+            yield runner, dealer
+        finally:
+            dealer.send(Shutdown(reason="test over"))
+            dealer.close()
+            ctx.term()
 
 
 def _output(dealer: Channel, sched: SchedulerOutput) -> ModelRunnerOutput:
@@ -150,3 +182,75 @@ def test_a_worker_without_a_drafter_sends_no_drafts(tmp_path: Path, ipc_addr: st
         for sched in STEPS:
             assert not _output(dealer, sched).drafts_follow
         assert dealer.recv(500) is None, "a message followed the last output"
+
+
+def test_a_drafter_that_fails_after_the_output_is_heard_at_once(
+    tmp_path: Path, ipc_addr: str
+) -> None:
+    """The drafter runs after the output went: a worker that fails there sends its fatal error
+    while the scheduler waits for the drafts, which raises it at once, naming it (a wait that
+    dropped every other message heard of it only at the step timeout, without the reason)."""
+    model = save_tiny("llama", 11, tmp_path / "tiny")
+    with worker_loop(
+        model, ipc_addr, "--drafter", "ngram", "--num-speculative-tokens", "3", fail_to_peer=True
+    ) as runner:
+
+        def fail(_step: LaunchedStep) -> None:
+            raise RuntimeError("the drafter ran out of memory")
+
+        runner.propose_after = fail  # type: ignore[method-assign]
+        client = WorkerClient(ipc_addr, step_timeout_s=60.0)
+        try:
+            client.handshake(30)
+            client.send_step(STEPS[0])
+            out = client.receive(STEPS[0], with_drafts=False).output
+            assert out.drafts_follow
+            t0 = time.monotonic()
+            with pytest.raises(WorkerDied, match="the drafter ran out of memory"):
+                client.receive_drafts(STEPS[0], out)
+            assert time.monotonic() - t0 < 10
+        finally:
+            client.close()
+
+
+def test_a_step_stays_outstanding_until_its_drafts_are_in(tmp_path: Path, ipc_addr: str) -> None:
+    """In sync mode nothing else is in flight while the worker drafts: ``health`` reports a
+    drafter that hangs as a stall (past ``stall_threshold_s``), as it did when the drafts came
+    before the output."""
+    model = save_byte_model("llama", BYTE_MODEL_SEED, tmp_path / "tiny")  # a tokenizer
+    with worker_loop(
+        model, ipc_addr, "--drafter", "ngram", "--num-speculative-tokens", "3"
+    ) as runner:
+        hang = threading.Event()
+        propose_after = runner.propose_after
+
+        def slow(step: LaunchedStep) -> None:
+            if hang.is_set() and runner.will_propose(step):
+                time.sleep(3.0)
+            propose_after(step)
+
+        runner.propose_after = slow  # type: ignore[method-assign]
+        engine = Engine(
+            EngineConfig(
+                worker_addr=ipc_addr,
+                stall_threshold_s=0.5,
+                step_timeout_s=60.0,
+                scheduler=SchedulerConfig(adaptive_speculation=False),
+            )
+        )
+        try:
+            loop = EngineLoop(engine)
+            engine.add_request(REPEATS, max_tokens=6, ignore_eos=True)
+            engine.step()
+            hang.set()
+            stepping = threading.Thread(target=engine.step)
+            stepping.start()
+            seen = set()
+            while stepping.is_alive():
+                seen.add(loop.health())
+                time.sleep(0.1)
+            assert "stalled" in seen, seen
+            hang.clear()
+            engine.run_until_done()
+        finally:
+            engine.close()
