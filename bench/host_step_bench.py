@@ -74,8 +74,8 @@ def main() -> None:
         drafter = make_drafter(a.drafter.rstrip("0"), k, model, 64, None, draft, "off", False)
     runner = make_runner(model, drafter, k, 64, "off", False)
     if a.drafter.endswith("0"):  # the tuner's answer for a losing drafter: propose nothing
-        propose = runner.propose_drafts
-        runner.propose_drafts = lambda batch, cap=-1, *rest: propose(batch, 0, *rest)  # type: ignore[method-assign]
+        plan = runner._draft_plan
+        runner._draft_plan = lambda batch, cap, *rest: plan(batch, 0, *rest)  # type: ignore[method-assign]
     rng = random.Random(0)
     reqs = [
         Req(

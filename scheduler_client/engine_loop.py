@@ -178,7 +178,7 @@ class EngineLoop:
         self._streams: dict[str, Stream] = {}
         # req_id -> its reader, its preparation and when it came in (monotonic), while it is
         # prepared off this thread
-        self._preparing: dict[str, tuple[Stream, Future[dict[str, Any]], float]] = {}
+        self._preparing: dict[str, tuple[Stream, Future[dict[str, Any]], float | None]] = {}
         self._drain_deadline: float | None = None
         self.draining = False
         self.failed: str | None = None  # set when the worker is gone for good
@@ -203,7 +203,7 @@ class EngineLoop:
         with self._ended_lock:
             if not self.ended:
                 if self.prep is None or self.draining:
-                    self._inbox.put(("add", request, stream))
+                    self._inbox.put(("add", (request, None, None), stream))
                     return stream
                 # prepared from now on, meanwhile the engine's thread runs its step; its
                 # "prepared" event comes after its "add" (the callback is added after the put)
@@ -267,7 +267,7 @@ class EngineLoop:
             except queue.Empty:
                 return
             if kind == "add" and stream is not None:
-                if isinstance(arg, tuple):
+                if arg[1] is not None:
                     arg[1].cancel()  # its preparation, if it has not begun
                 stream.put(Refused(self._gone_reason(), 503))
 
@@ -340,18 +340,18 @@ class EngineLoop:
             self._join(*arg)
         else:
             assert stream is not None
-            self._add(arg, stream)
+            request, future, arrived = arg
+            self._add(request, future, arrived, stream)
 
     def _add(
         self,
-        request: dict[str, Any] | tuple[dict[str, Any], Future[dict[str, Any]], float],
+        request: dict[str, Any],
+        future: Future[dict[str, Any]] | None,
+        arrived: float | None,
         stream: Stream,
     ) -> None:
-        """A submitted request: its arguments, or (with a ``Preparer``) the arguments, their
-        preparation (under way since it was submitted) and when it came in."""
-        future = None
-        if isinstance(request, tuple):
-            request, future, arrived = request
+        """A submitted request: its arguments and, with a ``Preparer``, their preparation (under
+        way since it was submitted) and when it came in."""
         if self.draining:
             if future is not None:
                 future.cancel()  # (a preparation under way runs on; its result is dropped)

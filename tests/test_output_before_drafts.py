@@ -38,6 +38,7 @@ from scheduler_client.engine_loop import EngineLoop
 from scheduler_client.scheduler import SchedulerConfig
 from scheduler_client.worker_client import WorkerClient, WorkerDied
 from tests.models import BYTE_MODEL_SEED, save_byte_model, save_tiny
+from tests.test_worker_daemon import step
 from worker.config import parse_args
 from worker.runner import LaunchedStep, ModelRunner
 from worker.service import WorkerLoop, build_runner
@@ -47,24 +48,8 @@ REPEATS = [5, 6, 7, 5, 6, 7, 5, 6]
 UNIQUE = [9, 14, 21, 30, 41, 8, 3]
 
 
-def _step(
-    step_id: int, new: list[NewRequest], ids: list[str], counts: list[int]
-) -> SchedulerOutput:
-    return SchedulerOutput(
-        step_id=step_id,
-        new_requests=new,
-        req_ids=ids,
-        num_scheduled_tokens=np.array(counts, np.int32),
-        num_draft_tokens=np.zeros(len(ids), np.int32),
-        draft_token_ids=np.zeros(0, np.int32),
-        finished_req_ids=[],
-        aborted_req_ids=[],
-        structured_req_ids=[],
-    )
-
-
 STEPS = [
-    _step(
+    step(
         0,
         [
             NewRequest("r", np.array(REPEATS, np.int32), SamplingParams(), 3),
@@ -73,7 +58,7 @@ STEPS = [
         ["r", "u"],
         [len(REPEATS), len(UNIQUE)],
     ),
-    _step(1, [], ["u"], [1]),
+    step(1, [], ["u"], [1]),
 ]
 
 

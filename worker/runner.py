@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -31,6 +32,17 @@ from worker.requests import RequestStates, SamplingState, WorkerRequestError
 from worker.spec_utils import get_drafter_hidden_states
 from worker.step_batch import StepBatch, StepError, build_step_batch, flat_ranges
 from worker.step_checks import StepLimits, check_bitmask, check_step
+
+
+class DraftPlan(NamedTuple):
+    """What is proposed after a step (``ModelRunner._draft_plan``): the requests that sampled
+    (slots), their lengths after the step, the widths to propose, and whether a request left
+    while the step was open (then every width is 0)."""
+
+    slots: list[int]
+    lengths: np.ndarray
+    widths: list[int]
+    left: bool
 
 
 @dataclass(eq=False)
@@ -49,7 +61,7 @@ class LaunchedStep:
     num_accepted: np.ndarray | None = None  # [S]
     num_sampled: list[int] = field(default_factory=list)  # [B]
     committed: list[int] = field(default_factory=list)  # [S] (open) each sampler's length after it
-    live: list[bool] = field(default_factory=list)  # [S] (open, once read) each still in its slot
+    plan: DraftPlan | None = None  # what is proposed after it (``read_output`` sets it)
     open: bool = False
     device_tokens: torch.Tensor | None = None
     owners: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
@@ -213,6 +225,7 @@ class ModelRunner:
         output first, so the scheduler commits the step's tokens while the drafter works."""
         self.draft_tokens.begin_step(step.sched.step_id)
         batch = step.batch
+        live: list[bool] | None = None  # per sampler: still in its slot (open steps only)
         if step.open:
             self._open.remove(step)
             step.tokens = step.read_tokens()
@@ -221,13 +234,15 @@ class ModelRunner:
             alive = st.generation[slots] == generations
             kept = alive & (positions >= 0)
             st.token_ids[slots[kept], positions[kept]] = step.tokens[kept, 0]
-            step.live = alive.tolist()
+            live = alive.tolist()
         self.num_steps += 1
         if not batch.req_ids:
             return self.output(
                 step.sched.step_id, batch, np.zeros((0, 1), np.int64), [], np.zeros(0, np.int64)
             ), step.rejected
         assert step.tokens is not None and step.num_accepted is not None
+        committed = step.committed if step.open else None
+        step.plan = self._draft_plan(batch, step.sched.max_draft_proposals, live, committed)
         return self.output(
             step.sched.step_id, batch, step.tokens, step.num_sampled, step.num_accepted
         ), step.rejected
@@ -235,15 +250,13 @@ class ModelRunner:
     def will_propose(self, step: LaunchedStep) -> bool:
         """Whether ``propose_after`` asks the drafter for any draft (a request with a width): the
         output's ``drafts_follow``, known before the drafter runs."""
-        if not step.batch.req_ids:
-            return False
-        return any(self._widths(step.batch, step.sched.max_draft_proposals, step)[2])
+        return step.plan is not None and any(step.plan.widths)
 
     @torch.inference_mode()
     def propose_after(self, step: LaunchedStep) -> None:
         """The drafts proposed after a step whose output was read (``read_output``)."""
-        if step.batch.req_ids:
-            self.propose_drafts(step.batch, step.sched.max_draft_proposals, step)
+        if step.plan is not None:
+            self.propose_drafts(step.batch, step.plan)
 
     def may_hold(self, sched: SchedulerOutput, batch: StepBatch) -> bool:
         """A step may be left open when it samples, verifies no drafts and proposes none after
@@ -494,16 +507,20 @@ class ModelRunner:
             np.asarray(batch.slots, np.int64), np.asarray(batch.start_positions, np.int64) + valid
         )
 
-    def _widths(
-        self, batch: StepBatch, cap: int, step: LaunchedStep | None
-    ) -> tuple[list[int], np.ndarray, list[int], bool]:
-        """The requests that sampled (slots), their lengths after the step and the widths to
-        propose (each at most its own width, the room left in its context, and ``cap``; -1: no
-        cap), and whether a request left while the step was open (then every width is 0)."""
+    def _draft_plan(
+        self,
+        batch: StepBatch,
+        cap: int,
+        live: list[bool] | None,
+        committed: list[int] | None,
+    ) -> DraftPlan:
+        """What is proposed after the step: for every request that sampled, at most its own
+        width, the room left in its context, and ``cap`` (the scheduler's
+        ``max_draft_proposals``; -1: no cap). ``committed`` [S] each one's length after the step
+        (default: its length now); ``live`` [S] (an open step's): False for a request that left
+        while the step was open."""
         st = self.states
         slots = [batch.slots[i] for i in batch.sample_idx]
-        committed = step.committed if step is not None and step.open else None
-        live = step.live if step is not None and step.open else None
         lengths = st.num_tokens[slots] if committed is None else np.asarray(committed, np.int64)
         # only an open step sees its requests leave, and a step is held only when it proposes
         # nothing (may_hold): there are no drafts to keep, and a slot taken since is not touched
@@ -515,19 +532,16 @@ class ModelRunner:
         if not left and slots and not isinstance(self.drafter, NoDrafter):
             room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
             widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
-        return slots, lengths, widths, left
+        return DraftPlan(slots, lengths, widths, left)
 
-    def propose_drafts(
-        self, batch: StepBatch, cap: int = -1, step: LaunchedStep | None = None
-    ) -> None:
-        """Drafts for every request that sampled: at most its own width, the room left in its
-        context, and ``cap`` (the scheduler's ``max_draft_proposals``; -1: no cap).
+    def propose_drafts(self, batch: StepBatch, plan: DraftPlan) -> None:
+        """Drafts for every request that sampled, at the widths of ``plan``.
 
         Every request that sampled is listed in the step's ``DraftTokenIds`` (the scheduler
-        waits for one after an output that sampled), with its length after the step. For an
-        open ``step``, a request that left while it was open lists every request with width 0."""
+        waits for one after an output that sampled), with its length after the step; after an
+        open step that a request left, every request is listed with width 0."""
         st = self.states
-        slots, lengths, widths, left = self._widths(batch, cap, step)
+        slots, lengths, widths, left = plan
         req_ids = [batch.req_ids[i] for i in batch.sample_idx]
         self._last_probs, self._last_row_of = None, {}
         if not slots:
