@@ -62,9 +62,10 @@ from tests.daemons import wait_ready
 WORKLOAD = Path(__file__).resolve().parent / "workloads" / "mixed.jsonl"
 
 
-def workload(num: int, max_tokens: int) -> list[dict[str, Any]]:
-    """mixed.jsonl plus one chat per bench prompt, cycled to ``num`` requests."""
-    mixed = load_workload(str(WORKLOAD))
+def workload(num: int, max_tokens: int, kind: str = "mixed") -> list[dict[str, Any]]:
+    """mixed.jsonl plus one chat per bench prompt, cycled to ``num`` requests; ``kind`` "free":
+    the chats alone, the prompts the in-process runner decodes."""
+    mixed = load_workload(str(WORKLOAD)) if kind == "mixed" else []
     chats = [
         {"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens}
         for p in PROMPTS.values()
@@ -420,6 +421,13 @@ def main() -> None:
     ap.add_argument("--num-requests", type=int, default=128, help="requests per load row")
     ap.add_argument("--max-tokens", type=int, default=128, help="for the unconstrained chats")
     ap.add_argument(
+        "--workload",
+        default="mixed",
+        choices=("mixed", "free"),
+        help="mixed: the JSON, regex and choice requests of bench/workloads/mixed.jsonl among the "
+        "chats; free: the chats alone (the in-process runner's prompts)",
+    )
+    ap.add_argument(
         "--requests-per-client",
         type=int,
         default=0,
@@ -473,7 +481,7 @@ def main() -> None:
         os.makedirs(a.log_dir, exist_ok=True)
     if "draft_model" in a.drafters and not a.draft_model:
         ap.error("--drafters draft_model needs --draft-model")
-    bodies = workload(a.num_requests, a.max_tokens)
+    bodies = workload(a.num_requests, a.max_tokens, a.workload)
     print(f"seed {a.seed}; {len(bodies)} requests a row", flush=True)
     rows: list[dict[str, Any]] = []
     for drafter in a.drafters if "served" in a.paths else []:

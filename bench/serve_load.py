@@ -30,6 +30,7 @@ class Result:
     output_tokens: int
     error: str | None = None
     sent: float = 0.0  # time.time() when it was sent (processes share that clock)
+    kind: str = "free"  # its structured kind (json, regex, choice), or free (unconstrained)
 
 
 def chat_body(w: dict[str, Any]) -> dict[str, Any]:
@@ -52,8 +53,14 @@ def chat_body(w: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+def body_kind(body: dict[str, Any]) -> str:
+    """A chat body's structured kind (json, regex, choice), or free."""
+    return next((kind for kind, key in GUIDED.items() if key in body), "free")
+
+
 def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Result:
     sent, t0 = time.time(), time.perf_counter()
+    kind = body_kind(body)
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout_s)
     ttft: float | None = None
     tokens = 0
@@ -65,7 +72,12 @@ def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Re
         resp = conn.getresponse()
         if resp.status != 200:
             return Result(
-                None, time.perf_counter() - t0, 0, f"HTTP {resp.status}: {resp.read()!r}", sent
+                None,
+                time.perf_counter() - t0,
+                0,
+                f"HTTP {resp.status}: {resp.read()!r}",
+                sent,
+                kind,
             )
         for raw in resp:
             line = raw.strip()
@@ -88,7 +100,7 @@ def post_stream(port: int, body: dict[str, Any], timeout_s: float = 600.0) -> Re
         error = f"{type(e).__name__}: {e}"
     finally:
         conn.close()
-    return Result(ttft, time.perf_counter() - t0, tokens, error, sent)
+    return Result(ttft, time.perf_counter() - t0, tokens, error, sent, kind)
 
 
 def steady_tok_s(results: list[Result]) -> float | None:
@@ -278,11 +290,7 @@ def summarize(
 ) -> dict[str, Any]:
     ok = [r for r in results if r.error is None]
     tokens = sum(r.output_tokens for r in ok)
-    tpot = [
-        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
-        for r in ok
-        if r.ttft_s is not None and r.output_tokens > 1
-    ]
+    tpot = _tpots(ok)
 
     drafted = delta(before, after, "specd_scheduler_draft_tokens_total")
     accepted = delta(before, after, "specd_scheduler_accepted_tokens_total")
@@ -302,7 +310,34 @@ def summarize(
         "acceptance_rate": round(accepted / drafted, 4) if drafted else None,
         "mean_acceptance_length": round(1 + accepted / verifications, 3) if verifications else None,
         "phases_ms": phases_ms(before, after),
+        "by_kind": by_kind(ok),
     }
+
+
+def _tpots(results: list[Result]) -> list[float]:
+    return [
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in results
+        if r.ttft_s is not None and r.output_tokens > 1
+    ]
+
+
+def by_kind(ok: list[Result]) -> dict[str, dict[str, float]]:
+    """Per kind of request (free, json, regex, choice): how many finished, their output tokens,
+    mean end-to-end time and TPOT p50. A drafter that speeds the free chats may slow a
+    structured request whose drafts its grammar cuts, which still pays for the batch's wide
+    step: the row's throughput mixes the two."""
+    out = {}
+    for kind in sorted({r.kind for r in ok}):
+        mine = [r for r in ok if r.kind == kind]
+        tpot = percentiles(_tpots(mine))
+        out[kind] = {
+            "requests": len(mine),
+            "output_tokens": sum(r.output_tokens for r in mine),
+            "e2e_mean_ms": round(1000 * sum(r.e2e_s for r in mine) / len(mine), 2),
+            "tpot_p50_ms": tpot.get("p50_ms") if tpot else None,
+        }
+    return out
 
 
 def phases_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

@@ -31,3 +31,27 @@ def test_steady_throughput_counts_a_one_event_answer_at_its_end_and_skips_errors
 def test_no_window_no_figure() -> None:
     assert steady_tok_s([Result(1.0, 2.0, 10, None, 3.0)]) is None
     assert steady_tok_s([Result(1.0, 2.0, 10, None, 3.0), Result(1.0, 2.0, 10, None, 3.0)]) is None
+
+
+def test_rows_split_by_kind_of_request() -> None:
+    from bench.serve_bench import workload
+    from bench.serve_load import body_kind, by_kind, chat_body
+
+    bodies = [chat_body(w) for w in workload(20, 16)]
+    kinds = {body_kind(b) for b in bodies}
+    assert {"free", "json", "regex", "choice"} <= kinds
+    assert {body_kind(chat_body(w)) for w in workload(20, 16, "free")} == {"free"}
+    ok = [
+        Result(0.1, 1.1, 11, None, 0.0, "free"),  # 0.1 s a token after the first
+        Result(0.1, 0.5, 5, None, 0.0, "json"),
+        Result(0.1, 0.9, 5, None, 0.0, "json"),  # 0.2 s a token
+    ]
+    split = by_kind(ok)
+    assert split["free"] == {
+        "requests": 1,
+        "output_tokens": 11,
+        "e2e_mean_ms": 1100.0,
+        "tpot_p50_ms": 100.0,
+    }
+    assert split["json"]["requests"] == 2 and split["json"]["e2e_mean_ms"] == 700.0
+    assert split["json"]["tpot_p50_ms"] == 200.0  # the upper middle of two
