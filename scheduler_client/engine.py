@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -162,6 +162,11 @@ class Engine:
         # overlap: steps after the current one that the worker could not read, with their culprits
         self._lost: dict[int, tuple[list[str], str]] = {}
         self._ended: list[Request] = []  # requests a step fault ended, returned by step()
+        # called on the engine's thread once the output of a step whose drafts follow is
+        # committed, before they are read (the worker drafts meanwhile): an ``EngineLoop``
+        # answers the requests that finished and sends the text streamed then, not a drafting
+        # later
+        self.on_commit: Callable[[], None] | None = None
         # closed in close(); line-buffered, so a killed scheduler leaves whole lines
         self._trace = (
             open(config.step_trace, "a", buffering=1)  # noqa: SIM115
@@ -347,6 +352,8 @@ class Engine:
                 sch.fail(err.req_id, f"worker refused the request: {err.message}")
                 failed.append(sch.requests[err.req_id])
         done = sch.update(result.output)
+        if self.on_commit is not None and result.output.drafts_follow:
+            self.on_commit()  # (without drafts to wait for, the step ends now)
         # the drafts come after the output: the worker drafts while the tokens are committed
         # (and may stall there: the step stays outstanding until they are in, for ``health``)
         try:

@@ -34,7 +34,7 @@ from protocol import (
 )
 from protocol.transport import Channel, bind_router
 from scheduler_client.engine import Engine, EngineConfig
-from scheduler_client.engine_loop import EngineLoop
+from scheduler_client.engine_loop import Done, EngineLoop, Event, Stream
 from scheduler_client.scheduler import SchedulerConfig
 from scheduler_client.worker_client import WorkerClient, WorkerDied
 from tests.models import BYTE_MODEL_SEED, save_byte_model, save_tiny
@@ -239,3 +239,62 @@ def test_a_step_stays_outstanding_until_its_drafts_are_in(tmp_path: Path, ipc_ad
             engine.run_until_done()
         finally:
             engine.close()
+
+
+class _Answered(Stream):
+    """A reader that notes when its request's ``Done`` is put."""
+
+    def __init__(self, loop: EngineLoop) -> None:
+        super().__init__(loop)
+        self.done = threading.Event()
+
+    def put(self, event: Event) -> None:
+        super().put(event)
+        if isinstance(event, Done):
+            self.done.set()
+
+
+def test_a_finished_request_is_answered_while_the_worker_drafts(
+    tmp_path: Path, ipc_addr: str
+) -> None:
+    """A request that ends in a step is answered once the step's output is committed, while the
+    worker still drafts for the others: its reader (a closed-loop client about to send its next
+    request) does not wait out a drafting it has no part in. Each proposal waits up to 2 s for
+    the answer; before, the answer came only after the drafts were read, so no proposal ever
+    saw it come."""
+    model = save_byte_model("llama", BYTE_MODEL_SEED, tmp_path / "tiny")
+    with worker_loop(
+        model, ipc_addr, "--drafter", "ngram", "--num-speculative-tokens", "3"
+    ) as runner:
+        engine = Engine(
+            EngineConfig(
+                worker_addr=ipc_addr,
+                step_timeout_s=60.0,
+                scheduler=SchedulerConfig(adaptive_speculation=False),
+            )
+        )
+        loop = EngineLoop(engine)
+        short = _Answered(loop)
+        seen: list[tuple[bool, bool]] = []  # per proposal: answered before it, and during it
+        propose_after = runner.propose_after
+
+        def watched(step: LaunchedStep) -> None:
+            if runner.will_propose(step):
+                before = short.done.is_set()
+                seen.append((before, before or short.done.wait(2.0)))
+            propose_after(step)
+
+        runner.propose_after = watched  # type: ignore[method-assign]
+        thread = threading.Thread(target=loop.run, name="engine")
+        thread.start()
+        try:
+            long = loop.submit({"prompt": REPEATS, "max_tokens": 12, "ignore_eos": True})
+            loop.submit_stream({"prompt": UNIQUE, "max_tokens": 3, "ignore_eos": True}, short)
+            for stream in (short, long):
+                while not isinstance(stream.get(timeout_s=60), Done):
+                    pass
+        finally:
+            loop.drain(0)
+            thread.join(timeout=60)
+            engine.close()
+    assert (False, True) in seen, seen
