@@ -186,8 +186,9 @@ class EngineLoop:
         # the inbox then, is refused at once instead of waiting in an inbox nobody reads
         self.ended = False
         self._ended_lock = threading.Lock()
-        # called on the engine's thread after each pass of ``run`` (and as it ends), once the
-        # pass's events are put: the HTTP process's link sends them there as one message
+        # called on the engine's thread after each pass of ``run`` (and as it ends), and after a
+        # step's commit when its drafts follow (``_committed``), once the events are put: the
+        # HTTP process's link sends them there as one message
         self.after_step = after_step
         engine.on_commit = self._committed
 
