@@ -6,8 +6,9 @@ and prints per row where the steps and their time went, by the width they ran.
 
 A row's steps are the trace lines inside its ``span`` (its wall-clock start and end). Per width
 (1 + the widest drafts run): steps, their share of the row's step time, mean time with and without
-a prompt chunk, and the drafts asked for after them; then how often the width changed and the
-longest run of each width. Widths are what the worker ran, not what the tuner chose: a step
+a prompt chunk, the drafts asked for after them and, for a width with drafts, the share of its
+draft slots (width - 1 a request) that held a draft and the tokens a request made a step; then
+how often the width changed and the longest run of each width. Widths are what the worker ran, not what the tuner chose: a step
 verifies at most what was proposed after the one before it.
 """
 
@@ -46,6 +47,15 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
             "proposals": dict(sorted(asked.items())),
             "reqs": round(sum(s["reqs"] for s in ss) / len(ss), 1),
         }
+        reqs = sum(s["reqs"] for s in ss)
+        if w > 1 and reqs and all("drafts" in s for s in ss):
+            # of the drafts the width let its requests verify, the share they had (a request
+            # without: its first step after its prompt, its grammar cut them, its last tokens),
+            # and the tokens each request made a step (accepted drafts + 1)
+            widths[w]["filled"] = round(sum(s["drafts"] for s in ss) / ((w - 1) * reqs), 3)
+            widths[w]["tokens_per_req"] = round(
+                (reqs + sum(s.get("accepted", 0) for s in ss)) / reqs, 3
+            )
     changes = sum(1 for a, b in itertools.pairwise(steps) if a["width"] != b["width"])
     longest: dict[int, int] = defaultdict(int)
     run = 0
