@@ -64,7 +64,7 @@ WORKLOAD = Path(__file__).resolve().parent / "workloads" / "mixed.jsonl"
 
 def workload(num: int, max_tokens: int, kind: str = "mixed") -> list[dict[str, Any]]:
     """mixed.jsonl plus one chat per bench prompt, cycled to ``num`` requests; ``kind`` "free":
-    the chats alone, the prompts the in-process runner decodes."""
+    the chats alone (the run's in-process rows then decode the same prompts)."""
     mixed = load_workload(str(WORKLOAD)) if kind == "mixed" else []
     chats = [
         {"messages": [{"role": "user", "content": p}], "max_tokens": max_tokens}
@@ -424,8 +424,8 @@ def main() -> None:
         "--workload",
         default="mixed",
         choices=("mixed", "free"),
-        help="mixed: the JSON, regex and choice requests of bench/workloads/mixed.jsonl among the "
-        "chats; free: the chats alone (the in-process runner's prompts)",
+        help="mixed: bench/workloads/mixed.jsonl (JSON, regex and choice requests, a code edit) "
+        "among the chats; free: the chats alone, the prompts the in-process rows decode",
     )
     ap.add_argument(
         "--requests-per-client",

@@ -8,8 +8,8 @@ A row's steps are the trace lines inside its ``span`` (its wall-clock start and 
 (1 + the widest drafts run): steps, their share of the row's step time, mean time with and without
 a prompt chunk, the drafts asked for after them and, for a width with drafts, the share of its
 draft slots (width - 1 a request) that held a draft and the tokens a request made a step; then
-how often the width changed and the longest run of each width. Widths are what the worker ran, not what the tuner chose: a step
-verifies at most what was proposed after the one before it.
+how often the width changed and the longest run of each width. Widths are what the worker ran,
+not what the tuner chose: a step verifies at most what was proposed after the one before it.
 """
 
 from __future__ import annotations

@@ -429,8 +429,8 @@ class EngineLoop:
     def _committed(self) -> None:
         """A step's output is committed and its drafts are not in yet (the worker drafts): the
         requests it finished are answered and its text sent now. Answered after the step, a
-        finished request's reader waited out the drafting of the others (a draft model's 4-5 ms
-        a step), and so did every token sent through the HTTP process."""
+        finished request's reader waited out the drafting of the others (a draft model's, most
+        of a step), and so did every token sent through the HTTP process."""
         self._finish_streams()
         if self.after_step is not None:
             self.after_step()
