@@ -163,10 +163,10 @@ class Engine:
         self._lost: dict[int, tuple[list[str], str]] = {}
         self._ended: list[Request] = []  # requests a step fault ended, returned by step()
         # called on the engine's thread once the output of a step whose drafts follow is
-        # committed, before they are read (the worker drafts meanwhile): an ``EngineLoop``
-        # answers the requests that finished and sends the text streamed then, not a drafting
-        # later
-        self.on_commit: Callable[[], None] | None = None
+        # committed, before they are read (the worker drafts meanwhile), with the requests that
+        # output finished: an ``EngineLoop`` answers them and sends the text streamed then, not
+        # a drafting later
+        self.on_commit: Callable[[list[Request]], None] | None = None
         # closed in close(); line-buffered, so a killed scheduler leaves whole lines
         self._trace = (
             open(config.step_trace, "a", buffering=1)  # noqa: SIM115
@@ -353,7 +353,7 @@ class Engine:
                 failed.append(sch.requests[err.req_id])
         done = sch.update(result.output)
         if self.on_commit is not None and result.output.drafts_follow:
-            self.on_commit()  # (without drafts to wait for, the step ends now)
+            self.on_commit(failed + done)  # (without drafts to wait for, the step ends now)
         # the drafts come after the output: the worker drafts while the tokens are committed
         # (and may stall there: the step stays outstanding until they are in, for ``health``)
         try:

@@ -377,7 +377,7 @@ class EngineLoop:
         if preparing is None or preparing[1] is not future:
             return  # aborted or refused (the drain, an id in use) while it was prepared
         del self._preparing[req_id]
-        stream, future, arrived = preparing
+        stream, _, arrived = preparing
         try:
             request = future.result()
         except (ValueError, TypeError) as e:
@@ -426,24 +426,31 @@ class EngineLoop:
 
         req.on_delta = on_delta
 
-    def _committed(self) -> None:
+    def _committed(self, finished: list[Request]) -> None:
         """A step's output is committed and its drafts are not in yet (the worker drafts): the
-        requests it finished are answered and its text sent now. Answered after the step, a
+        requests it ``finished`` are answered and its text sent now. Answered after the step, a
         finished request's reader waited out the drafting of the others (a draft model's, most
         of a step), and so did every token sent through the HTTP process."""
-        self._finish_streams()
+        for req in finished:
+            self._answer(req)
         if self.after_step is not None:
             self.after_step()
 
     def _finish_streams(self) -> None:
         requests = self.engine.scheduler.requests
-        for req_id, stream in list(self._streams.items()):
+        for req_id in list(self._streams):
             req = requests.get(req_id)
-            if req is None or not req.finished:
-                continue
-            del self._streams[req_id]
-            held = self._held.pop(req_id, None)
-            if held is not None and held.texts:
-                stream.put(Delta(held.take()))
-            stream.put(Done(Finished.of(req)))
-            self.engine.scheduler.release(req_id)
+            if req is not None and req.finished:
+                self._answer(req)
+
+    def _answer(self, req: Request) -> None:
+        """A finished request's reader gets the text held back for it, then its end; the
+        scheduler forgets it."""
+        stream = self._streams.pop(req.req_id, None)
+        if stream is None:
+            return
+        held = self._held.pop(req.req_id, None)
+        if held is not None and held.texts:
+            stream.put(Delta(held.take()))
+        stream.put(Done(Finished.of(req)))
+        self.engine.scheduler.release(req.req_id)
