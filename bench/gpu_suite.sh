@@ -21,7 +21,7 @@
 #   COMPILE (0; 1: the lossless stage runs with torch.compile'd decoder layers, without the EAGLE
 #   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py),
 #   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
-#   --load-format dummy), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
+#   --load-format dummy; smollm2-dummy: bench/configs/smollm2-135m, dummy, with the EAGLE head), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
 #   SERVE_ARGS (more flags for serve_bench.py), SERVE_SCHED_ARGS (its --scheduler-args, one
 #   string, e.g. "--max-steps-in-flight 3"; with SERVE_ARGS="--modes overlap pipelined" the
 #   worker's --pipeline-steps against overlap alone), HOSTILE_COUNT (10000), MIXED_MODELS ("smollm2 1b"),
@@ -133,6 +133,10 @@ if has serve; then
     if [ "$m" = smollm2 ]; then
       [ -f "$MODEL" ] || continue
       src=(--model "$MODEL" --drafters none ngram eagle)
+    elif [ "$m" = smollm2-dummy ]; then
+      # SmolLM2's shape and vocabulary, random weights: the shipped EAGLE head's cost without the
+      # GGUF (it drafts for a target it was not trained on, so the tuner keeps it at width zero)
+      src=(--model bench/configs/smollm2-135m --load-format dummy --drafters none ngram eagle)
     else
       src=(--model bench/configs/llama-$m --load-format dummy --drafters none ngram)
       # a dummy draft for a dummy target: their heads share one permutation, so they agree

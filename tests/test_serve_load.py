@@ -55,3 +55,17 @@ def test_rows_split_by_kind_of_request() -> None:
     }
     assert split["json"]["requests"] == 2 and split["json"]["e2e_mean_ms"] == 700.0
     assert split["json"]["tpot_p50_ms"] == 200.0  # the upper middle of two
+
+
+def test_the_eagle_rows_run_on_a_dummy_target_of_the_heads_shape() -> None:
+    import argparse
+
+    from bench.serve_bench import head_fits
+
+    def args(model: str, load_format: str = "dummy") -> argparse.Namespace:
+        return argparse.Namespace(model=model, load_format=load_format, eagle_head="embedded")
+
+    assert head_fits(args("bench/configs/smollm2-135m"))  # SmolLM2's shape and vocabulary
+    assert not head_fits(args("bench/configs/llama-135m"))  # its hidden size, not its vocabulary
+    assert not head_fits(args("bench/configs/llama-1b"))
+    assert head_fits(args("embedded:smollm2", "auto"))  # real weights: the head's own target
