@@ -8,7 +8,9 @@ A row's steps are the trace lines inside its ``span`` (its wall-clock start and 
 (1 + the widest drafts run): steps, their share of the row's step time, mean time with and without
 a prompt chunk, the drafts asked for after them and, for a width with drafts, the share of its
 draft slots (width - 1 a request) that held a draft and the tokens a request made a step; then
-how often the width changed and the longest run of each width. Widths are what the worker ran,
+how often the width changed and the longest run of each width; last, over the steps that verified
+a tuner's choice, the drafts accepted for each token the tuner's model expected them to add
+(``made_per_expected``: what its calibration follows). Widths are what the worker ran,
 not what the tuner chose: a step verifies at most what was proposed after the one before it.
 """
 
@@ -64,6 +66,10 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
         longest[s["width"]] = max(longest[s["width"]], run)
     drafts = sum(s.get("drafts", 0) for s in steps)
     accepted = sum(s.get("accepted", 0) for s in steps)
+    # the steps that verified a tuner's choice: the tokens its model expected their drafts to add
+    # (``predicted``, uncalibrated) against the drafts they accepted
+    chosen = [s for s in steps if s.get("predicted", 0) > 0]
+    expected = sum(s["predicted"] for s in chosen)
     return {
         "steps": len(steps),
         "ms_mean": round(total / max(len(steps), 1), 3),
@@ -71,6 +77,9 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "width_changes": changes,
         "longest_run": dict(sorted(longest.items())),
         "acceptance": round(accepted / drafts, 3) if drafts else None,
+        "made_per_expected": (
+            round(sum(s["accepted"] for s in chosen) / expected, 3) if expected else None
+        ),
     }
 
 

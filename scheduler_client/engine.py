@@ -494,6 +494,11 @@ class Engine:
                         # proposed what it did after it (spec_tuner.py: hold, ends, explore, best)
                         "choice": self.scheduler.choices.get(sched.step_id, (-1, 0, 0, "")),
                         "queued": queued,
+                        # the tokens its verified drafts were expected to add (the tuner's
+                        # model, before calibration; 0: none verified)
+                        "predicted": round(
+                            sum(self.scheduler.predicted.get(sched.step_id, {}).values()), 3
+                        ),
                     }
                 )
                 + "\n"

@@ -141,6 +141,12 @@ class SchedulerMetrics:
                     samples.add_metric([str(b), str(w)], n)
                 yield seconds
                 yield samples
+                yield GaugeMetricFamily(
+                    "specd_scheduler_tuner_calibration",
+                    "Drafts accepted for each token the tuner's model expected verified drafts to "
+                    "add, over recent verify steps (at most 1): it scales the model's expectation",
+                    value=tuner.calibration,
+                )
 
         self.registry.register(TunerView())
 

@@ -171,6 +171,13 @@ class Scheduler:
         # with drafts to verify; all decoding requests; why it proposed what it did), while in
         # flight (--step-trace)
         self.choices: dict[int, tuple[int, int, int, str]] = {}
+        # step_id -> per request placed in it with drafts to verify, the tokens they were
+        # expected to add (the tuner's model), while in flight: each paired with what its
+        # drafts made when the output comes (a request skipped, finished or requeued meanwhile
+        # counts in neither)
+        self.predicted: dict[int, dict[str, float]] = {}
+        self.last_settled_predicted: dict[str, float] = {}
+        self._expect: dict[str, float] = {}  # the choice of the step being built
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
             SpeculationTuner(limits.max_num_speculative_tokens)
@@ -270,6 +277,8 @@ class Scheduler:
         self.to_free, self.to_abort = [], []
         self.steps = {}
         self.proposal_caps = {}
+        self.choices = {}
+        self.predicted = {}
         self.last_done_step = self.step_id - 1
 
     def has_work(self) -> bool:
@@ -307,6 +316,7 @@ class Scheduler:
         deferred: list[str] = []
         scheduled: dict[str, tuple[int, int]] = {}  # req_id -> (tokens, drafts) this step
         sampling: set[str] = set()
+        self._expect = {}
         width_cap, choice = self._batch_width()
         limit = self.limits.max_model_len
         kv = self.kv_blocks
@@ -444,6 +454,9 @@ class Scheduler:
         self.proposal_caps[self.step_id] = out.max_draft_proposals
         if self.tuner is not None:
             self.choices[self.step_id] = (*choice, self.tuner.reason)
+            expect = {r: e for r, e in self._expect.items() if r in scheduled}
+            if expect:
+                self.predicted[self.step_id] = expect
         self.step_id += 1
         return out
 
@@ -477,6 +490,7 @@ class Scheduler:
         step, sampling = self.steps.pop(step_id, ({}, set()))
         self.last_settled_asked = self.proposal_caps.pop(step_id, 0)
         self.choices.pop(step_id, None)
+        self.last_settled_predicted = self.predicted.pop(step_id, {})
         if self.config.async_scheduling:
             for req_id, (n, w) in step.items():
                 req = self.requests.get(req_id)
@@ -523,6 +537,9 @@ class Scheduler:
         # for it: its hit rate; one whose drafts are here verifies them
         hits = [self._hits(r) if r.pending_samples else 1.0 for r in decoding]
         choice = self.tuner.choose(alphas, avail, hits)
+        if choice:
+            each = self.tuner.expected_extras(alphas, avail, choice, hits)
+            self._expect = {r.req_id: e for r, e in zip(decoding, each, strict=True) if e > 0}
         return choice, (choice, sum(1 for a in avail if a), len(decoding))
 
     def _hits(self, req: Request) -> float:
@@ -551,6 +568,7 @@ class Scheduler:
             raise ValueError(f"output for step {out.step_id}, expected step {expected}")
         self.last_done_step = out.step_id
         inflight = self._settle(out.step_id)
+        predicted, expected_gain, made = self.last_settled_predicted, 0.0, 0
         done: list[Request] = []
         off = 0
         # lists once: a numpy scalar read per request costs more than the whole conversion
@@ -577,6 +595,9 @@ class Scheduler:
             w = num_drafts[i]
             req.metrics.record_step(w, accepted, n)
             req.num_judged += min(w, accepted + 1)
+            if req_id in predicted:
+                expected_gain += predicted[req_id]
+                made += accepted
             if self.tuner is not None:
                 self.tuner.observe_judged(min(w, accepted + 1), accepted)
             try:
@@ -588,6 +609,8 @@ class Scheduler:
                     self._finish(req, "error", f"committing sampled tokens failed: {e!r:.300}")
             if req.finished:
                 done.append(req)
+        if expected_gain and self.tuner is not None:
+            self.tuner.observe_verified(expected_gain, made)
         return done
 
     def _commit(self, req: Request, tokens: list[int]) -> None:

@@ -16,11 +16,13 @@ drafting (the prefill dilutes what the extra width costs) where it loses. It est
 request's per-draft acceptance probability alpha from its own history and picks the K that maximises
 expected goodput,
 
-    sum over requests of 1 + h * ((1 - alpha^(k+1)) / (1 - alpha) - 1)   /   step time(batch, 1 + K),
+    sum over requests of 1 + c * h * ((1 - alpha^(k+1)) / (1 - alpha) - 1)   /   step time(batch, 1 + K),
 
-with k = min(K, the request's drafts) and h the share of the drafts asked for that the drafter
+with k = min(K, the request's drafts), h the share of the drafts asked for that the drafter
 finds for the request (``Request.draft_hits``: an n-gram lookup finds a match for some requests;
-1 where the drafts are already known, and for a model drafter). For a batch size it has not measured, it runs each end (no
+1 where the drafts are already known, and for a model drafter) and c the calibration: what the
+verify steps' accepted drafts made for each token this model expected of them (recent steps,
+``observe_verified``; at most 1). For a batch size it has not measured, it runs each end (no
 drafts, all drafts) for two steps, propose then verify; widths in between are interpolated, and the
 end not in use is re-measured now and then (two steps: propose, then verify what was proposed), so a
 machine whose costs change is followed; each re-measurement that confirms the choice doubles the
@@ -65,6 +67,15 @@ STALE = 0.2  # while drafting is chosen, the width in use got this much cheaper 
 # host that sped up), and it is measured anew ...
 STALE_FOR = 4  # ... once that has held this many decisions in a row (a moving average's dip on a
 # noisy host, or under prompt chunks of every size, is not a new machine)
+CALIBRATION_KEEP = 0.98  # the realized / expected sums keep this much a verify step (~50 steps)
+CALIBRATION_PRIOR = 16.0  # expected tokens' worth of the model's own word (a ratio of 1)
+CALIBRATION_FADE = 0.999  # ... and the sums keep this much a decision: while drafting is off
+# (verify steps only from re-measurements, far apart) the calibration returns to 1 within a few
+# thousand decisions, so a drafter turned down by it is weighed by the model alone again
+CALIBRATION_RANGE = (0.25, 1.0)  # the ratio's bounds: a few unlucky steps never stop a drafter
+# for good, and drafts that make more than the model expects never widen a choice past the model's
+# own (a dummy target's EAGLE drafts made 0.9-2.2x what it expected on an H100, h100-s24, and
+# its rows stayed within their spread of no drafts): the calibration only ever turns drafting down
 FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of the requests
 # expected to get drafts got them (else the few found are weighed anew: a wide step for them;
 # with overlap a request whose drafts are not back yet counts as having them, and the worker
@@ -83,6 +94,19 @@ def expected_tokens(alpha: float, k: int) -> float:
     if alpha >= 1.0:
         return k + 1.0
     return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+
+
+def _extra_tokens(
+    alphas: Sequence[float], caps: Sequence[int], top: int, hits: Sequence[float] | None
+) -> np.ndarray:
+    """[top + 1, requests]: the tokens each request's drafts add at each K in 0..top, by the
+    model: hit * (expected_tokens(alpha, min(K, cap)) - 1)."""
+    a = np.minimum(np.asarray(alphas, np.float64), 1.0 - 1e-9)
+    ks = np.minimum(np.arange(top + 1)[:, None], np.asarray(caps)[None, :])  # [K + 1, B]
+    extra = (1.0 - a ** (ks + 1)) / (1.0 - a) - 1.0
+    if hits is not None:
+        extra = extra * np.clip(np.asarray(hits, np.float64), 0.0, 1.0)
+    return np.asarray(extra, np.float64)
 
 
 def _blend(old: float, new: float, weight: float) -> float:
@@ -287,6 +311,11 @@ class SpeculationTuner:
         # the last ``best`` proposal: its width and the share of its requests expected to get
         # drafts (``choose`` verifies it when about that share has them); (0, 0.0): none
         self._proposed = (0, 0.0)
+        # over recent verify steps (decayed), the tokens the model expected their drafts to
+        # add and what the drafts accepted made
+        self._expected = 0.0
+        self._made = 0.0
+        self.calibration = 1.0  # what the accepted drafts made for each token the model expected
 
     @property
     def prior(self) -> float:
@@ -334,6 +363,10 @@ class SpeculationTuner:
             return 0
         bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
         bucket.decisions += 1
+        if self._expected:
+            self._expected *= CALIBRATION_FADE
+            self._made *= CALIBRATION_FADE
+            self._calibrate()
         if bucket.hold >= 0:  # the second step of a measurement: propose, then verify as much
             k, bucket.hold = bucket.hold, -1
             self.reason = "hold"
@@ -464,6 +497,26 @@ class SpeculationTuner:
             return top
         return self._best(self._rates(known, alphas, caps, top, hits))
 
+    def observe_verified(self, predicted: float, accepted: int) -> None:
+        """A verify step's outcome: the tokens its drafts were expected to add (``predicted``:
+        ``expected_extras`` of the requests that ran them) and the drafts they accepted. Their decayed ratio, within CALIBRATION_RANGE,
+        scales what the model expects drafts to add (``calibration``): per-draft acceptance
+        pooled over positions overstates the first draft's, and a drafter's hits come in runs
+        (served SmolLM2 on the CPU, mixed workload, c=8, sync: n-gram made 0.80 and EAGLE 0.73
+        of what the model expected, bench/results/cpu-s24/)."""
+        if predicted <= 0.0:
+            return
+        self._expected = CALIBRATION_KEEP * self._expected + predicted
+        self._made = CALIBRATION_KEEP * self._made + accepted
+        self._calibrate()
+
+    def _calibrate(self) -> None:
+        """made / expected, drawn toward 1 by CALIBRATION_PRIOR expected tokens (a few steps
+        say little, and as the sums fade without verify steps it returns to the model's own)."""
+        lo, hi = CALIBRATION_RANGE
+        ratio = (self._made + CALIBRATION_PRIOR) / (self._expected + CALIBRATION_PRIOR)
+        self.calibration = min(max(ratio, lo), hi)
+
     def skip_choice(self) -> None:
         """A step with no drafts to verify: no choice is made, and a measurement's verify width
         (``propose``'s) is used up as ``choose`` would have used it."""
@@ -484,26 +537,40 @@ class SpeculationTuner:
         hits: Sequence[float] | None = None,
     ) -> list[float]:
         """Expected tokens per second of each K in 0..top."""
-        # gain[k] = sum over requests of 1 + hit * (expected_tokens(alpha, min(k, cap)) - 1)
-        # (a request the drafter finds nothing for yields its one token)
+        extras = self._extras(alphas, caps, top, hits)
+        n = float(len(alphas))
+        return [
+            (n + self.calibration * extras[k]) / self._time(known, 1 + k) for k in range(top + 1)
+        ]
+
+    @staticmethod
+    def _extras(
+        alphas: Sequence[float], caps: Sequence[int], top: int, hits: Sequence[float] | None = None
+    ) -> list[float]:
+        """The tokens the accepted drafts add to a step of each K in 0..top, by the model: the
+        sum over requests of hit * (expected_tokens(alpha, min(k, cap)) - 1) (a request the
+        drafter finds nothing for yields its one token)."""
         if len(alphas) <= SMALL_BATCH:  # numpy's per-call cost outweighs a few requests' loop
-            sums = [float(len(alphas))] * (top + 1)
+            sums = [0.0] * (top + 1)
             for j, (alpha, cap) in enumerate(zip(alphas, caps, strict=True)):
                 p = min(float(alpha), 1.0 - 1e-9)
                 hit = 1.0 if hits is None else min(max(float(hits[j]), 0.0), 1.0)
                 for k in range(1, top + 1):
                     kk = min(k, int(cap))
                     sums[k] += hit * ((1.0 - p ** (kk + 1)) / (1.0 - p) - 1.0)
-            return [sums[k] / self._time(known, 1 + k) for k in range(top + 1)]
+            return sums
         # for every k at once (a Python double loop cost 0.22 ms a step at batch 64:
         # bench/scheduler_step_bench.py)
-        a = np.minimum(np.asarray(alphas, np.float64), 1.0 - 1e-9)
-        ks = np.minimum(np.arange(top + 1)[:, None], np.asarray(caps)[None, :])  # [K + 1, B]
-        extra = (1.0 - a ** (ks + 1)) / (1.0 - a) - 1.0
-        if hits is not None:
-            extra = extra * np.clip(np.asarray(hits, np.float64), 0.0, 1.0)
-        gains = (1.0 + extra).sum(axis=1)
-        return [float(gains[k]) / self._time(known, 1 + k) for k in range(top + 1)]
+        return [float(x) for x in _extra_tokens(alphas, caps, top, hits).sum(axis=1)]
+
+    @staticmethod
+    def expected_extras(
+        alphas: Sequence[float], caps: Sequence[int], k: int, hits: Sequence[float] | None = None
+    ) -> list[float]:
+        """Each request's tokens its drafts are expected to add at width ``k`` (the model's,
+        uncalibrated): what the scheduler pairs with the drafts it accepted
+        (``observe_verified``)."""
+        return [float(x) for x in _extra_tokens(alphas, caps, k, hits)[k]]
 
     def _explore_wait(self, bucket: _Bucket, rates: list[float]) -> int:
         """Decisions between re-measurements so that they cost at most EXPLORE_SHARE of the

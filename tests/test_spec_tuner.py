@@ -24,6 +24,7 @@ from scheduler_client.prom import SchedulerMetrics
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 from scheduler_client.spec_tuner import (
+    CALIBRATION_RANGE,
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
     SpeculationTuner,
@@ -426,6 +427,7 @@ def test_metrics_show_what_the_tuner_measured() -> None:
     text = generate_latest(prom.registry).decode()
     assert 'specd_scheduler_tuner_step_seconds{batch="4",width="5"} 0.004' in text
     assert 'specd_scheduler_tuner_samples{batch="4",width="1"} 3.0' in text
+    assert "specd_scheduler_tuner_calibration 1.0" in text
 
 
 def test_a_drafter_that_finds_drafts_for_few_requests_is_turned_down() -> None:
@@ -758,3 +760,86 @@ def test_prompt_chunks_of_every_size_do_not_make_widths_stale(
             tuner.observe_step(1, 1 + k, t * rng.uniform(0.85, 1.15), p, chunk)
             avail = p
     assert forgets[0] <= 3 * 8, forgets
+
+
+def test_drafts_that_make_less_than_the_model_expects_turn_drafting_down() -> None:
+    """The model's expected gain is scaled by what verified drafts made of it (recent steps):
+    drafts that make a third of what it expects no longer pay where the model says they do."""
+    cost = {w: 1.0 + 0.25 * (w - 1) for w in range(1, 6)}  # at alpha 0.5 one draft pays
+    tuner = SpeculationTuner(4)
+    assert settle(tuner, 4, cost, 0.5) == 1
+    for _ in range(100):
+        tuner.observe_verified(3.0, 1)
+    assert tuner.calibration < 0.45  # a third, drawn toward 1 by the model's prior
+    assert settle(tuner, 4, cost, 0.5) == 0
+
+
+def test_the_calibration_trusts_few_steps_little_stays_in_its_bounds_and_fades() -> None:
+    tuner = SpeculationTuner(4)
+    tuner.observe_verified(2.0, 0)  # one step that made nothing: little said yet
+    tuner.observe_verified(0.0, 3)  # a step with nothing expected of it is not counted
+    assert tuner.calibration == pytest.approx(16 / 18)
+    for _ in range(300):
+        tuner.observe_verified(2.0, 0)
+    assert tuner.calibration == CALIBRATION_RANGE[0]  # never zero: it can come back
+    # without verify steps (drafting off) it returns to the model's own within a few thousand
+    # decisions
+    for _ in range(5000):
+        tuner.propose([0.5], [4])
+    assert tuner.calibration > 0.9
+    for _ in range(300):
+        tuner.observe_verified(1.0, 4)
+    assert tuner.calibration == CALIBRATION_RANGE[1] == 1.0  # never past the model's own
+
+
+def test_the_scheduler_pairs_each_request_s_expected_gain_with_what_its_drafts_made() -> None:
+    """Only requests that ran their drafts and are still there when the output comes count, on
+    both sides; a worker replaced drops what was in flight."""
+    limits = WorkerLimits(
+        vocab_size=100, eos_token_ids=(0,), max_model_len=64, max_num_speculative_tokens=4,
+        max_num_seqs=4,
+    )  # fmt: skip
+    s = Scheduler(SchedulerConfig(), limits, None, None)
+    assert s.tuner is not None
+    seen: list[tuple[float, int]] = []
+    s.tuner.observe_verified = lambda p, a: seen.append((p, a))  # type: ignore[method-assign]
+    s.tuner.propose = lambda *a: 2  # type: ignore[method-assign]
+    names = ["a", "b", "c"]
+    for r in names:
+        s.add(Request(r, [1, 2, 3], SamplingParams(max_tokens=30), 4))
+    sched = s.schedule()
+    assert sched is not None
+    s.update(
+        ModelRunnerOutput(
+            step_id=sched.step_id, req_ids=names, num_sampled=np.ones(3, np.int32),
+            sampled_token_ids=np.array([5, 5, 5], np.int32),
+            num_draft_tokens=np.zeros(3, np.int32), num_accepted=np.zeros(3, np.int32),
+        )
+    )  # fmt: skip
+    assert not seen  # nothing was verified
+    n = s.requests["a"].num_tokens
+    s.take_drafts(
+        DraftTokenIds(
+            step_id=sched.step_id, req_ids=names, num_draft_tokens=np.array([2, 2, 2], np.int32),
+            draft_token_ids=np.full(6, -1, np.int32),
+            num_committed_tokens=np.array([n, n, n], np.int32),
+        )
+    )  # fmt: skip
+    sched = s.schedule()
+    assert sched is not None and sched.num_draft_tokens.tolist() == [2, 2, 2]
+    each = s.predicted[sched.step_id]
+    assert set(each) == set(names)
+    assert each["a"] == pytest.approx(expected_tokens(s.tuner.alpha(0, 0), 2) - 1)
+    s.abort("c")  # ends while its step is in flight: its drafts' outcome never counts
+    s.update(
+        ModelRunnerOutput(
+            step_id=sched.step_id, req_ids=names, num_sampled=np.array([2, 1, 3], np.int32),
+            sampled_token_ids=np.array([5, 5, 5, 5, 5, 5], np.int32),
+            num_draft_tokens=np.array([2, 2, 2], np.int32),
+            num_accepted=np.array([1, 0, 2], np.int32),
+        )
+    )  # fmt: skip
+    assert seen == [(pytest.approx(each["a"] + each["b"]), 1)] and not s.predicted
+    s.predicted[s.step_id] = {"a": 1.0}  # in flight when the worker is replaced
+    s.requeue_all()
+    assert not s.predicted and not s.choices
