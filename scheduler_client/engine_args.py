@@ -10,6 +10,18 @@ from scheduler_client.engine import EngineConfig
 from scheduler_client.scheduler import SchedulerConfig
 
 
+def _steps_in_flight(value: str) -> int | str:
+    """--max-steps-in-flight: a count, or ``auto``."""
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a count (2..4) or auto, got {value!r}"
+        ) from None
+
+
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--curve-secret",
@@ -71,11 +83,14 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--max-steps-in-flight",
-        type=int,
+        type=_steps_in_flight,
         default=2,
         help="with --async-scheduling: the most steps sent before the oldest one's output "
         "arrives (2: the next step; 3 gives a worker with --pipeline-steps the step after that "
-        "while the scheduler commits; 2..4)",
+        "while the scheduler commits; 2..4); auto: 3, and 2 while steps ask for drafts and the "
+        "scheduler's turnaround "
+        "takes under half the time between outputs (long steps, as a draft model's: a new "
+        "request then waits one step less for its first token)",
     )
     ap.add_argument(
         "--no-adaptive-speculation",
@@ -146,7 +161,8 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_num_batched_tokens=a.max_num_batched_tokens,
             forced_drafts=not a.no_forced_drafts,
             async_scheduling=a.async_scheduling,
-            max_steps_in_flight=a.max_steps_in_flight,
+            max_steps_in_flight=3 if a.max_steps_in_flight == "auto" else a.max_steps_in_flight,
+            steps_in_flight_auto=a.max_steps_in_flight == "auto",
             adaptive_speculation=not a.no_adaptive_speculation,
             kv_watermark=a.kv_watermark,
         ),

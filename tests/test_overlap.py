@@ -188,3 +188,51 @@ def test_overlap_steps_queue_behind_the_one_before_and_their_cycles_add_up(
     trace = [json.loads(x) for x in trace_file.read_text().splitlines()]
     assert sum(x["queued"] for x in trace) > len(trace) // 2, trace
     assert_cycles_add_up(trace)
+
+
+def test_auto_steps_in_flight_is_lossless_and_keeps_two_while_the_turnaround_is_short(
+    target_dir: Path, draft_dir: Path
+) -> None:
+    """--max-steps-in-flight auto: a draft model's greedy output equals target-only greedy
+    whichever depth each step took; the depth follows the measured turnaround against the time
+    between outputs (two under half of it, else three)."""
+    eng = engine(
+        target_dir, "draft_model", draft_dir, async_scheduling=True, max_steps_in_flight=3,
+        steps_in_flight_auto=True,
+    )  # fmt: skip
+    try:
+        depths: list[int] = []
+        real = eng._depth
+
+        def depth() -> int:
+            depths.append(real())
+            return depths[-1]
+
+        eng._depth = depth  # type: ignore[method-assign]
+        check_greedy(eng, 6)
+        assert eng._cycle_s > 0 and eng._turnaround_s > 0  # both measured
+        assert set(depths) <= {2, 3}
+        eng._drafting, eng._cycle_s, eng._turnaround_s = True, 0.007, 0.0015  # a draft model's
+        assert real() == 2  # step on an H100
+        eng._cycle_s, eng._turnaround_s = 0.0025, 0.0017  # a short step, a long turnaround
+        assert real() == 3
+        eng._drafting, eng._cycle_s, eng._turnaround_s = False, 0.007, 0.0015
+        assert real() == 3  # no drafts asked for: a worker's --pipeline-steps needs the third
+    finally:
+        eng.close()
+
+
+def test_max_steps_in_flight_auto_on_the_command_line() -> None:
+    import argparse
+
+    from scheduler_client.engine_args import add_engine_args, engine_config
+
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    base = ["--model", "m", "--async-scheduling"]
+    cfg = engine_config(ap.parse_args([*base, "--max-steps-in-flight", "auto"])).scheduler
+    assert (cfg.max_steps_in_flight, cfg.steps_in_flight_auto) == (3, True)
+    cfg = engine_config(ap.parse_args([*base, "--max-steps-in-flight", "3"])).scheduler
+    assert (cfg.max_steps_in_flight, cfg.steps_in_flight_auto) == (3, False)
+    with pytest.raises(SystemExit):
+        ap.parse_args([*base, "--max-steps-in-flight", "deep"])

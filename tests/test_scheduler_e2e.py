@@ -31,6 +31,7 @@ def engine(
     async_scheduling: bool = False,
     adaptive_speculation: bool = True,
     max_steps_in_flight: int = 2,
+    steps_in_flight_auto: bool = False,
     **kw: object,
 ) -> Engine:
     return Engine(
@@ -49,6 +50,7 @@ def engine(
                 async_scheduling=async_scheduling,
                 adaptive_speculation=adaptive_speculation,
                 max_steps_in_flight=max_steps_in_flight,
+                steps_in_flight_auto=steps_in_flight_auto,
             ),
             step_timeout_s=60,
             **kw,  # type: ignore[arg-type]
