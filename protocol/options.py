@@ -58,8 +58,11 @@ def _typed(where: str, action: argparse.Action, value: object) -> object:
         ok = isinstance(value, (int, float)) and not isinstance(value, bool)
         want = "a number"
     else:
+        own = kind not in (None, str)  # a parser of its own (a count or a word, say)
+        if own and isinstance(value, int) and not isinstance(value, bool):
+            value = str(value)  # ... given the text the flag would be
         ok = isinstance(value, str)
-        want = "a string"
+        want = "a string or an integer" if own else "a string"
     if not ok:
         raise ValueError(f"{where} must be {want}, got {value!r}")
     if kind is not None:

@@ -164,7 +164,7 @@ class Engine:
         self._cycle_s = 0.0
         self._turnaround_s = 0.0
         self._ready_s: float | None = None
-        self._drafting = False  # the last step sent asks the worker for drafts after it
+        self._drafting = False  # the last output said drafts follow it (the worker drafted)
         self._sent_s: dict[int, float] = {}
         self._sent_mono: dict[int, float] = {}  # step_id -> monotonic send time (health)
         self.num_deferred_bitmasks = 0
@@ -376,23 +376,24 @@ class Engine:
             drafts = self.client.receive_drafts(cur, result.output)
         except WorkerDied as e:
             return ended + failed + done + self._worker_died(e)
+        # the turnaround counts from the output, or from its drafts' arrival (the worker drafts
+        # while the step is committed, so the commit is hidden up to then)
+        ready = time.perf_counter() if result.output.drafts_follow else now
+        self._drafting = result.output.drafts_follow
         self._mark_outstanding()
         if drafts is not None:
             sch.take_drafts(drafts)
         elif not result.output.drafts_follow:
             sch.no_drafts(result.output)
         self._went_on = bool(sch.running or sch.waiting)
-        # the turnaround counts from the output, or from its drafts' arrival (the worker drafts
-        # while the step is committed, so the commit is hidden up to then)
-        ready = time.perf_counter() if result.output.drafts_follow else now
         self._ready_s = ready if self._went_on else None
         self._send_deferred()
         return ended + self._take_ended() + failed + done
 
     def _depth(self) -> int:
         """The most steps in flight: ``max_steps_in_flight``, or with ``steps_in_flight_auto``
-        two while steps ask for drafts and the scheduler's turnaround takes under SHALLOW of the
-        time between outputs. The step sent after an output runs after the steps already queued:
+        two while the worker drafts (the last output said drafts follow) and the scheduler's
+        turnaround takes under SHALLOW of the time between outputs. The step sent after an output runs after the steps already queued:
         a third step in flight hides a turnaround as long as a step (no drafts at c=64, 2-3 ms a
         step) and gives a worker with --pipeline-steps its next step (it holds only steps
         without drafts), and makes a new request wait one step more for its first token; with a
@@ -413,6 +414,7 @@ class Engine:
         """The worker is gone: a new one takes the requests over (``_recover``) while restarts
         remain; else every request fails and ``e`` is raised."""
         self._went_on = False  # the next step's time counts from its send
+        self._ready_s = None  # a relaunch is no turnaround
         self.in_flight.clear()
         self._sent_s.clear()
         self._sent_mono.clear()
@@ -438,7 +440,6 @@ class Engine:
             )
             return
         self.in_flight.append(sched)
-        self._drafting = sched.max_draft_proposals != 0
         self._sent_s[sched.step_id] = now = time.perf_counter()
         if self._ready_s is not None:
             self._turnaround_s = _ema(self._turnaround_s, now - self._ready_s)
@@ -470,6 +471,7 @@ class Engine:
 
     def _refuse(self, cur: SchedulerOutput, names: list[str], message: str) -> list[Request]:
         self._went_on = False  # no output: the next step's time counts from its send
+        self._ready_s = None  # ... and no turnaround is timed from it
         self._sent_s.pop(cur.step_id, None)
         self._sent_mono.pop(cur.step_id, None)
         self._mark_outstanding()

@@ -87,7 +87,7 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         default=2,
         help="with --async-scheduling: the most steps sent before the oldest one's output "
         "arrives (2: the next step; 3 gives a worker with --pipeline-steps the step after that "
-        "while the scheduler commits; 2..4); auto: 3, and 2 while steps ask for drafts and the "
+        "while the scheduler commits; 2..4); auto: 3, and 2 while the worker drafts and the "
         "scheduler's turnaround "
         "takes under half the time between outputs (long steps, as a draft model's: a new "
         "request then waits one step less for its first token)",

@@ -68,7 +68,7 @@ class SchedulerConfig:
     # before this one's output; 3: a worker with --pipeline-steps has the step after that too
     # while the scheduler commits)
     max_steps_in_flight: int = 2
-    # with overlap: two steps in flight while steps ask for drafts and the scheduler's turnaround
+    # with overlap: two steps in flight while the worker drafts and the scheduler's turnaround
     # is short against a step (a draft model's), max_steps_in_flight otherwise (... auto)
     steps_in_flight_auto: bool = False
     # the share of the KV blocks a new request may not take when admitted (vLLM's watermark):

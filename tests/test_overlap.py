@@ -5,7 +5,7 @@ and grammar-safe like sync mode (CPU, float32, tiny byte-level models)."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import jsonschema
@@ -15,6 +15,7 @@ import pytest
 
 from protocol.messages import SchedulerOutput
 from scheduler_client import Engine
+from scheduler_client.scheduler import SchedulerConfig
 from tests.models import greedy_reference, reference_copy, tiny_model
 from tests.test_operations import assert_cycles_add_up
 from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
@@ -190,41 +191,62 @@ def test_overlap_steps_queue_behind_the_one_before_and_their_cycles_add_up(
     assert_cycles_add_up(trace)
 
 
-def test_auto_steps_in_flight_is_lossless_and_keeps_two_while_the_turnaround_is_short(
-    target_dir: Path, draft_dir: Path
+def test_auto_steps_in_flight_is_lossless_and_keeps_two_while_the_worker_drafts(
+    target_dir: Path, draft_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """--max-steps-in-flight auto: a draft model's greedy output equals target-only greedy
-    whichever depth each step took; the depth follows the measured turnaround against the time
-    between outputs (two under half of it, else three)."""
-    eng = engine(
-        target_dir, "draft_model", draft_dir, async_scheduling=True, max_steps_in_flight=3,
-        steps_in_flight_auto=True,
-    )  # fmt: skip
-    try:
-        depths: list[int] = []
-        real = eng._depth
+    """--max-steps-in-flight auto: with a draft model drafting every step, the depth goes from
+    three (nothing measured yet) to two, and greedy output equals target-only greedy across the
+    change; a worker that never drafts keeps three (its --pipeline-steps needs them). The
+    turnaround bar is raised (SHALLOW) so that the tiny CPU models' times do not decide."""
+    import scheduler_client.engine as engine_module
 
-        def depth() -> int:
-            depths.append(real())
-            return depths[-1]
+    monkeypatch.setattr(engine_module, "SHALLOW", 100.0)
+    seen: dict[str, list[int]] = {}
+    for drafter in ("draft_model", "none"):
+        eng = engine(
+            target_dir, drafter, draft_dir if drafter == "draft_model" else None,
+            async_scheduling=True, adaptive_speculation=False, max_steps_in_flight=3,
+            steps_in_flight_auto=True,
+        )  # fmt: skip
+        try:
+            depths = seen[drafter] = []
+            real = eng._depth
 
-        eng._depth = depth  # type: ignore[method-assign]
-        check_greedy(eng, 6)
-        assert eng._cycle_s > 0 and eng._turnaround_s > 0  # both measured
-        assert set(depths) <= {2, 3}
-        eng._drafting, eng._cycle_s, eng._turnaround_s = True, 0.007, 0.0015  # a draft model's
-        assert real() == 2  # step on an H100
-        eng._cycle_s, eng._turnaround_s = 0.0025, 0.0017  # a short step, a long turnaround
-        assert real() == 3
-        eng._drafting, eng._cycle_s, eng._turnaround_s = False, 0.007, 0.0015
-        assert real() == 3  # no drafts asked for: a worker's --pipeline-steps needs the third
-    finally:
-        eng.close()
+            def depth(real: Callable[[], int] = real, depths: list[int] = depths) -> int:
+                depths.append(real())
+                return depths[-1]
+
+            eng._depth = depth  # type: ignore[method-assign]
+            check_greedy(eng, 6)
+            assert eng._cycle_s > 0 and eng._turnaround_s > 0  # both measured
+        finally:
+            eng.close()
+    assert set(seen["draft_model"]) == {2, 3} and seen["draft_model"][0] == 3
+    assert set(seen["none"]) == {3}
 
 
-def test_max_steps_in_flight_auto_on_the_command_line() -> None:
+def test_the_auto_depth_follows_the_turnaround_against_the_time_between_outputs() -> None:
+    from types import SimpleNamespace
+
+    cfg = SchedulerConfig(async_scheduling=True, max_steps_in_flight=3, steps_in_flight_auto=True)
+    eng = SimpleNamespace(
+        scheduler=SimpleNamespace(config=cfg), _drafting=True, _cycle_s=0.007, _turnaround_s=0.0015
+    )  # a draft model's step on an H100
+    assert Engine._depth(eng) == 2  # type: ignore[arg-type]
+    eng._cycle_s, eng._turnaround_s = 0.0025, 0.0017  # a short step, a long turnaround
+    assert Engine._depth(eng) == 3  # type: ignore[arg-type]
+    eng._drafting, eng._cycle_s, eng._turnaround_s = False, 0.007, 0.0015
+    assert Engine._depth(eng) == 3  # type: ignore[arg-type]  # the worker does not draft
+    eng._drafting, eng._cycle_s = True, 0.0  # nothing measured yet
+    assert Engine._depth(eng) == 3  # type: ignore[arg-type]
+
+
+def test_max_steps_in_flight_auto_on_the_command_line_and_in_a_config_file(
+    tmp_path: Path,
+) -> None:
     import argparse
 
+    from protocol.options import load_toml
     from scheduler_client.engine_args import add_engine_args, engine_config
 
     ap = argparse.ArgumentParser()
@@ -236,3 +258,10 @@ def test_max_steps_in_flight_auto_on_the_command_line() -> None:
     assert (cfg.max_steps_in_flight, cfg.steps_in_flight_auto) == (3, False)
     with pytest.raises(SystemExit):
         ap.parse_args([*base, "--max-steps-in-flight", "deep"])
+    toml = tmp_path / "s.toml"
+    for text, want in (("3", 3), ('"auto"', "auto")):
+        toml.write_text(f"max-steps-in-flight = {text}\n")
+        assert load_toml(str(toml), ap)["max_steps_in_flight"] == want
+    toml.write_text("max-steps-in-flight = true\n")
+    with pytest.raises(ValueError, match="max-steps-in-flight"):
+        load_toml(str(toml), ap)
