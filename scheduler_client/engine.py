@@ -43,8 +43,8 @@ from scheduler_client.tokenizer import TokenizerInfo
 from scheduler_client.worker_client import StepRefused, Unsendable, WorkerClient, WorkerDied
 
 log = logging.getLogger("specd.scheduler")
-SHALLOW = 0.5  # --max-steps-in-flight auto: two steps in flight while the scheduler's turnaround
-# takes under this share of the time between outputs (else max_steps_in_flight)
+SHALLOW = 0.5  # --max-steps-in-flight auto: two steps in flight while the worker drafts and the
+# scheduler's turnaround takes under this share of the time between outputs (else the most)
 DEPTH_EMA = 0.1  # the weight of a new step in those moving averages
 
 
@@ -393,13 +393,14 @@ class Engine:
     def _depth(self) -> int:
         """The most steps in flight: ``max_steps_in_flight``, or with ``steps_in_flight_auto``
         two while the worker drafts (the last output said drafts follow) and the scheduler's
-        turnaround takes under SHALLOW of the time between outputs. The step sent after an output runs after the steps already queued:
-        a third step in flight hides a turnaround as long as a step (no drafts at c=64, 2-3 ms a
-        step) and gives a worker with --pipeline-steps its next step (it holds only steps
-        without drafts), and makes a new request wait one step more for its first token; with a
-        draft model's 7-ms steps the turnaround (1-1.5 ms, counted from the drafts' arrival: the
-        worker drafts meanwhile) is hidden at two, and three added a step to every first token
-        (TTFT p50 31 ms in overlap against 19 in sync at c=8, h100-s24)."""
+        turnaround takes under SHALLOW of the time between outputs. The step sent after an
+        output runs after the steps already queued: a third step in flight hides a turnaround as
+        long as a step (no drafts at c=64, 2-3 ms a step) and gives a worker with
+        --pipeline-steps its next step (it holds only steps without drafts), and makes a new
+        request wait one step more for its first token; with a draft model's 7-ms steps the
+        turnaround (1-1.5 ms, counted from the drafts' arrival: the worker drafts meanwhile) is
+        hidden at two, and three added a step to every first token (TTFT p50 31 ms in overlap
+        against 19 in sync at c=8, h100-s24)."""
         cfg = self.scheduler.config
         if (
             cfg.steps_in_flight_auto

@@ -499,11 +499,12 @@ class SpeculationTuner:
 
     def observe_verified(self, predicted: float, accepted: int) -> None:
         """A verify step's outcome: the tokens its drafts were expected to add (``predicted``:
-        ``expected_extras`` of the requests that ran them) and the drafts they accepted. Their decayed ratio, within CALIBRATION_RANGE,
-        scales what the model expects drafts to add (``calibration``): per-draft acceptance
-        pooled over positions overstates the first draft's, and a drafter's hits come in runs
-        (served SmolLM2 on the CPU, mixed workload, c=8, sync: n-gram made 0.80 and EAGLE 0.73
-        of what the model expected, bench/results/cpu-s24/)."""
+        ``expected_extras`` of the requests that ran them) and the drafts they accepted. Their
+        decayed ratio, within CALIBRATION_RANGE, scales what the model expects drafts to add
+        (``calibration``): per-draft acceptance pooled over positions overstates the first
+        draft's, and a drafter's hits come in runs (served SmolLM2 on the CPU, mixed workload,
+        c=8, sync: n-gram made 0.80 and EAGLE 0.73 of what the model expected,
+        bench/results/cpu-s24/)."""
         if predicted <= 0.0:
             return
         self._expected = CALIBRATION_KEEP * self._expected + predicted
