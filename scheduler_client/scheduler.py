@@ -179,8 +179,6 @@ class Scheduler:
         # drafts made when the output comes (a request skipped, finished or requeued meanwhile
         # counts in neither)
         self.predicted: dict[int, dict[str, float]] = {}
-        self.last_settled_predicted: dict[str, float] = {}
-        self._expect: dict[str, float] = {}  # the choice of the step being built
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
             SpeculationTuner(limits.max_num_speculative_tokens)
@@ -319,8 +317,7 @@ class Scheduler:
         deferred: list[str] = []
         scheduled: dict[str, tuple[int, int]] = {}  # req_id -> (tokens, drafts) this step
         sampling: set[str] = set()
-        self._expect = {}
-        width_cap, choice = self._batch_width()
+        width_cap, choice, expect = self._batch_width()
         limit = self.limits.max_model_len
         kv = self.kv_blocks
         free = kv.num_free(self.running) if kv is not None else 0
@@ -457,9 +454,9 @@ class Scheduler:
         self.proposal_caps[self.step_id] = out.max_draft_proposals
         if self.tuner is not None:
             self.choices[self.step_id] = (*choice, self.tuner.reason)
-            expect = {r: e for r, e in self._expect.items() if r in scheduled}
-            if expect:
-                self.predicted[self.step_id] = expect
+            placed = {r: e for r, e in expect.items() if r in scheduled}
+            if placed:
+                self.predicted[self.step_id] = placed
         self.step_id += 1
         return out
 
@@ -493,7 +490,7 @@ class Scheduler:
         step, sampling = self.steps.pop(step_id, ({}, set()))
         self.last_settled_asked = self.proposal_caps.pop(step_id, 0)
         self.choices.pop(step_id, None)
-        self.last_settled_predicted = self.predicted.pop(step_id, {})
+        self.predicted.pop(step_id, None)
         if self.config.async_scheduling:
             for req_id, (n, w) in step.items():
                 req = self.requests.get(req_id)
@@ -511,12 +508,13 @@ class Scheduler:
         widths = {req_id: w for req_id, (_, w) in step.items()}
         return deferred_rows(sched, widths, self.requests, self.words)
 
-    def _batch_width(self) -> tuple[int, tuple[int, int, int]]:
-        """The most drafts any request verifies this step (the tuner's choice, or no limit), and
-        for ``choices``: the tuner's choice (-1: none made), the decoding requests with drafts to
-        verify, and all decoding requests."""
+    def _batch_width(self) -> tuple[int, tuple[int, int, int], dict[str, float]]:
+        """The most drafts any request verifies this step (the tuner's choice, or no limit); for
+        ``choices``: the tuner's choice (-1: none made), the decoding requests with drafts to
+        verify, and all decoding requests; and, for ``predicted``, the tokens each request's
+        drafts are expected to add at that choice (none without one)."""
         if self.tuner is None:
-            return 1 << 30, (-1, 0, 0)
+            return 1 << 30, (-1, 0, 0), {}
         # every running request that samples this step counts (one token each, drafts or not)
         decoding = [
             r
@@ -534,16 +532,17 @@ class Scheduler:
         ]
         if not any(avail):
             self.tuner.skip_choice()
-            return 0, (-1, 0, len(decoding))
+            return 0, (-1, 0, len(decoding)), {}
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in decoding]
         # a request whose drafts are not back yet (overlap) verifies what the drafter finds
         # for it: its hit rate; one whose drafts are here verifies them
         hits = [self._hits(r) if r.pending_samples else 1.0 for r in decoding]
         choice = self.tuner.choose(alphas, avail, hits)
+        expect: dict[str, float] = {}
         if choice:
             each = self.tuner.expected_extras(alphas, avail, choice, hits)
-            self._expect = {r.req_id: e for r, e in zip(decoding, each, strict=True) if e > 0}
-        return choice, (choice, sum(1 for a in avail if a), len(decoding))
+            expect = {r.req_id: e for r, e in zip(decoding, each, strict=True) if e > 0}
+        return choice, (choice, sum(1 for a in avail if a), len(decoding)), expect
 
     def _hits(self, req: Request) -> float:
         """The share of the drafts asked for that ``req`` can verify: its own moving average once
@@ -570,8 +569,9 @@ class Scheduler:
         if out.step_id != expected:
             raise ValueError(f"output for step {out.step_id}, expected step {expected}")
         self.last_done_step = out.step_id
+        predicted = self.predicted.get(out.step_id, {})  # (``_settle`` drops it)
         inflight = self._settle(out.step_id)
-        predicted, expected_gain, made = self.last_settled_predicted, 0.0, 0
+        expected_gain, made = 0.0, 0
         done: list[Request] = []
         off = 0
         # lists once: a numpy scalar read per request costs more than the whole conversion

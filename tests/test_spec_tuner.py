@@ -37,6 +37,17 @@ from worker.model_executor import ModelExecutor
 from worker.runner import ModelRunner
 
 
+def small_limits(max_num_seqs: int) -> WorkerLimits:
+    """A worker of 4 drafts a request, 100 tokens and 64 positions, for scheduler-level tests."""
+    return WorkerLimits(
+        vocab_size=100,
+        eos_token_ids=(0,),
+        max_model_len=64,
+        max_num_speculative_tokens=4,
+        max_num_seqs=max_num_seqs,
+    )
+
+
 def settle(
     tuner: SpeculationTuner,
     n: int,
@@ -449,10 +460,7 @@ def test_a_drafter_that_finds_drafts_for_few_requests_is_turned_down() -> None:
 def test_the_scheduler_learns_each_requests_draft_hit_rate() -> None:
     """``Request.draft_hits`` follows what the drafter proposed of what the step asked for;
     a step that asked for none leaves it as it was."""
-    limits = WorkerLimits(
-        vocab_size=100, eos_token_ids=(0,), max_model_len=64, max_num_speculative_tokens=4,
-        max_num_seqs=4,
-    )  # fmt: skip
+    limits = small_limits(4)
     s = Scheduler(SchedulerConfig(adaptive_speculation=False), limits, None, None)
     for r in ("hit", "miss"):
         s.add(Request(r, [1, 2, 3], SamplingParams(max_tokens=30), 4))
@@ -489,10 +497,7 @@ def test_new_requests_are_not_asked_for_drafts_a_drafter_rarely_finds() -> None:
     the few found were not worth a wider step: the next step verified none (h100, 2026-12-06,
     dummy 135m, n-gram, sync, c=64: 106 such proposals in 474 steps). With the pooled share of
     recent asks they are not asked."""
-    limits = WorkerLimits(
-        vocab_size=100, eos_token_ids=(0,), max_model_len=64, max_num_speculative_tokens=4,
-        max_num_seqs=8,
-    )  # fmt: skip
+    limits = small_limits(8)
     s = Scheduler(SchedulerConfig(), limits, None, None)
     assert s.tuner is not None
     for _ in range(4):  # both ends of batch 8: four drafts cost half a step more
@@ -638,10 +643,7 @@ def test_with_drafting_off_a_step_in_flight_asks_the_tuner_for_no_choice() -> No
     asked the worker to propose. While the tuner keeps that at zero, the next step has nothing
     to verify and makes no choice (its per-request lists and rates cost every step at c=64);
     once a step asks for drafts, the next one chooses again."""
-    limits = WorkerLimits(
-        vocab_size=100, eos_token_ids=(0,), max_model_len=64, max_num_speculative_tokens=4,
-        max_num_seqs=4,
-    )  # fmt: skip
+    limits = small_limits(4)
     s = Scheduler(SchedulerConfig(async_scheduling=True), limits, None, None)
     assert s.tuner is not None
     for r in ("a", "b"):
@@ -795,10 +797,7 @@ def test_the_calibration_trusts_few_steps_little_stays_in_its_bounds_and_fades()
 def test_the_scheduler_pairs_each_request_s_expected_gain_with_what_its_drafts_made() -> None:
     """Only requests that ran their drafts and are still there when the output comes count, on
     both sides; a worker replaced drops what was in flight."""
-    limits = WorkerLimits(
-        vocab_size=100, eos_token_ids=(0,), max_model_len=64, max_num_speculative_tokens=4,
-        max_num_seqs=4,
-    )  # fmt: skip
+    limits = small_limits(4)
     s = Scheduler(SchedulerConfig(), limits, None, None)
     assert s.tuner is not None
     seen: list[tuple[float, int]] = []
