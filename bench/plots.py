@@ -8,6 +8,12 @@ speedup_vs_batch.png: speculative over no-draft tokens/s against batch size, for
 fixed and adaptive width; EAGLE head; n-gram with torch.compile'd layers when
 lossless_bf16_pad_compiled.json is there) and the synthetic 1B/8B targets (oracle drafter, alpha 0.7).
 overlap_vs_batch.png: overlap (async) scheduling over sync, end to end, against batch size.
+
+    python bench/plots.py bench/results/h200-s25/sm/serve_smollm2.json docs/img
+
+serve_vs_concurrency.png, from a ``bench/serve_bench.py`` JSON: output tokens/s of the served path
+(sync and overlap) and of the in-process runner against concurrency, and each drafter's speedup
+over no drafts on each path.
 """
 
 from __future__ import annotations
@@ -22,9 +28,45 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
+def serve_plot(src: Path, out: Path) -> None:
+    """serve_vs_concurrency.png from one serve_bench.py JSON (closed-loop rows only)."""
+    rows = [r for r in json.loads(src.read_text())["rows"] if r["load"].startswith("c=")]
+    tok_s: dict[tuple[str, str, str], dict[int, float]] = {}
+    for r in rows:
+        key = (r["path"], r["drafter"], r.get("mode") or "-")
+        tok_s.setdefault(key, {})[int(r["load"][2:])] = r["output_tok_s"]
+    styles = {"served sync": ":", "served overlap": "-", "in-process -": "--", "hf-graph -": "-."}
+    marks = {"none": "o", "ngram": "s", "eagle": "^", "draft_model": "D"}
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for (path, drafter, mode), by_c in sorted(tok_s.items()):
+        cs = sorted(by_c)
+        label = f"{path} {drafter}" + ("" if mode == "-" else f" {mode}")
+        style = dict(linestyle=styles.get(f"{path} {mode}", "-"), marker=marks.get(drafter, "x"))
+        left.plot(cs, [by_c[c] for c in cs], label=label, **style)
+        base = tok_s.get((path, "none", mode))
+        if drafter != "none" and base:
+            cs = [c for c in cs if c in base]
+            right.plot(cs, [by_c[c] / base[c] for c in cs], label=label, **style)
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency")
+    left.set_ylabel("output tokens/s")
+    left.set_yscale("log")
+    right.set_ylabel("speedup over no drafts, same path")
+    right.axhline(1.0, color="grey", linewidth=0.8)
+    left.legend(fontsize=7)
+    right.legend(fontsize=7)
+    fig.suptitle(src.parent.parent.name + "/" + src.parent.name + ": " + src.name)
+    fig.tight_layout()
+    fig.savefig(out / "serve_vs_concurrency.png", dpi=110)
+
+
 def main() -> None:
     src, out = Path(sys.argv[1]), Path(sys.argv[2])
     out.mkdir(parents=True, exist_ok=True)
+    if src.suffix == ".json":
+        serve_plot(src, out)
+        return
     lossless = json.loads((src / "lossless_bf16_pad.json").read_text())
     synthetic = json.loads((src / "synthetic.json").read_text())
 
