@@ -5,7 +5,10 @@ SmolLM2's tokenizer, so its steps are short and the scheduler does a real model'
 (detokenization, grammar rows, drafts) on the CPU. Reports the engine process's CPU ms a step.
 
     python bench/engine_step_bench.py [--drafter none|ngram|draft_model] [--zero-width]
-        [--full-width] [--sync] [--root DIR]
+        [--full-width] [--sync] [--k K] [--root DIR]
+
+``--k``: each request's drafts; 0 with ``--drafter none`` (as ``serve_bench.py`` serves it: no
+grammar-forced drafts either), else 4. Figures before 2026-12-07 ran ``none`` at 4 (``--k 4``).
 
 ``--zero-width`` pins the tuner's proposals at zero (as it keeps a losing drafter): what a
 drafter held at zero width costs the scheduler against ``--drafter none``. ``--full-width`` runs
@@ -58,6 +61,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=192)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--zero-width", action="store_true", help="the tuner proposes no drafts")
+    ap.add_argument("--k", type=int, default=None, help="drafts a request (0 with --drafter none)")
     ap.add_argument("--sync", action="store_true", help="no overlap scheduling")
     ap.add_argument(
         "--full-width", action="store_true", help="no tuner: every step drafts at full width"
@@ -84,6 +88,7 @@ def main() -> None:
             model=model,
             device="cpu",
             drafter=a.drafter,
+            num_speculative_tokens=(0 if a.drafter == "none" else 4) if a.k is None else a.k,
             # the same dummy as its own draft: the two agree on every token (dummy_weights)
             draft_model=model if a.drafter == "draft_model" else None,
             max_model_len=1024,
@@ -111,7 +116,11 @@ def main() -> None:
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             steps = engine.scheduler.step_id - steps0
             m = engine.scheduler.metrics
-    name = a.drafter + (" at zero width" if a.zero_width else "")
+    name = (
+        a.drafter
+        + f" k={config.num_speculative_tokens}"
+        + (" at zero width" if a.zero_width else "")
+    )
     name += (" at full width" if a.full_width else "") + (", sync" if a.sync else "")
     print(
         f"{name}: {steps} steps, scheduler CPU {cpu / steps * 1e3:.2f} ms a step "

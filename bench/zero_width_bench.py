@@ -5,13 +5,19 @@ zero. No worker, no grammar, no detokenization: the scheduler's own bookkeeping 
 at c=64, EAGLE held at width zero cost the scheduler 0.36-0.54 ms more CPU a step than no drafter
 (h100-s17); this isolates what of that its core loop makes.
 
-    python bench/zero_width_bench.py [--overlap] [--steps 600]
+    python bench/zero_width_bench.py [--overlap] [--steps 600] [--live] [--profile N]
+
+``--live``: the tuner decides instead, on step times where drafting loses (a step of width w
+costs w ms) and drafts each accepted with probability ALPHA, so its own weighing of the widths
+is in the figure; ``--profile N``: cProfile's N dearest functions, own time a step.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
+import pstats
 import sys
 import time
 
@@ -23,10 +29,14 @@ from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 
 B = 64
+ALPHA = 0.2  # --live: each draft accepted with this probability (EAGLE's, on SmolLM2)
 
 
-def loop(k: int, steps: int, overlap: bool) -> float:
-    """CPU ms a step of a closed loop at batch B, with ``k`` speculative tokens a request."""
+def loop(k: int, steps: int, overlap: bool, live: bool = False, profile: int = 0) -> float:
+    """CPU ms a step of a closed loop at batch B, with ``k`` speculative tokens a request.
+    ``live``: the tuner decides, on step times where drafting loses (a step of width w costs w
+    ms) and drafts accepted each with probability ALPHA; ``profile``: print that many of the
+    dearest functions (cProfile, own time a step)."""
     limits = WorkerLimits(
         vocab_size=49152, eos_token_ids=(0,), max_model_len=4096,
         max_num_speculative_tokens=k, max_num_seqs=B,
@@ -41,52 +51,82 @@ def loop(k: int, steps: int, overlap: bool) -> float:
 
     for _ in range(B):
         add()
-    if s.tuner is not None:
+    if s.tuner is not None and not live:
         s.tuner.propose = lambda *a: 0  # type: ignore[method-assign]
-    t0, done = time.process_time(), 0
+    rng = np.random.default_rng(0)
+    prof = cProfile.Profile() if profile else None
+    if prof is not None:
+        prof.enable()
+    t0, done, drafting = time.process_time(), 0, 0
     for _ in range(steps):
         sched = s.schedule()
         if sched is None:
             break
         ids = list(sched.req_ids)
+        own = (sched.num_scheduled_tokens - sched.num_draft_tokens).tolist()  # drafts aside
         sampling = [
             r
-            for r, c in zip(ids, sched.num_scheduled_tokens.tolist(), strict=True)
+            for r, c in zip(ids, own, strict=True)
             if s.requests[r].num_tokens - s.requests[r].num_computed == c
         ]
+        ran = sched.num_draft_tokens  # sync: the drafts each request verifies
+        on = np.array([r in sampling for r in ids])
+        acc = np.minimum(rng.geometric(1.0 - ALPHA, len(ids)) - 1, ran) * on
         out = ModelRunnerOutput(
             step_id=sched.step_id, req_ids=ids,
-            num_sampled=np.array([r in sampling for r in ids], np.int32),
-            sampled_token_ids=np.full(len(sampling), 7, np.int32),
-            num_draft_tokens=np.zeros(len(ids), np.int32),
-            num_accepted=np.zeros(len(ids), np.int32),
+            num_sampled=(on * (1 + acc)).astype(np.int32),
+            sampled_token_ids=np.full(int((on * (1 + acc)).sum()), 7, np.int32),
+            num_draft_tokens=(ran * on).astype(np.int32),
+            num_accepted=acc.astype(np.int32),
         )  # fmt: skip
         ended = s.update(out)
-        if sampling:
+        if s.tuner is not None and live:
+            width = 1 + int(ran.max(initial=0))
+            own = sched.num_scheduled_tokens - ran
+            s.tuner.observe_step(
+                len(ids), width, 1e-3 * width, sched.max_draft_proposals, int(own[own > 1].sum())
+            )
+        k_next = max(sched.max_draft_proposals, 0) if k else 0
+        drafting += bool(k_next)
+        if sampling and k_next:
             s.take_drafts(
                 DraftTokenIds(
                     step_id=sched.step_id, req_ids=sampling,
-                    num_draft_tokens=np.zeros(len(sampling), np.int32),
-                    draft_token_ids=np.zeros(0, np.int32),
+                    num_draft_tokens=np.full(len(sampling), k_next, np.int32),
+                    draft_token_ids=np.full(k_next * len(sampling), 9, np.int32),
                     num_committed_tokens=np.array(
                         [s.requests[r].num_tokens for r in sampling], np.int32
                     ),
                 )
             )  # fmt: skip
+        elif sampling:
+            s.no_drafts(out)
         for _ in ended:
             add()
         done += 1
-    return 1e3 * (time.process_time() - t0) / max(done, 1)
+    cpu = 1e3 * (time.process_time() - t0) / max(done, 1)
+    if live and k:
+        print(f"  {done} steps, {drafting} proposing drafts")
+    if prof is not None:
+        prof.disable()
+        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+        for (file, line, func), (_, calls, own, _cum, _) in rows[:profile]:
+            print(f"{own / done * 1e6:9.1f} us {calls / done:7.2f} calls  {func} "
+                  f"({os.path.basename(file)}:{line})")  # fmt: skip
+    return cpu
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--overlap", action="store_true", help="async scheduling (steps not answered)")
     ap.add_argument("--steps", type=int, default=600)
+    ap.add_argument("--live", action="store_true", help="the tuner decides (drafting loses)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's N dearest")
     a = ap.parse_args()
+    what = "tuner deciding" if a.live else "tuner at zero"
     for k in (0, 4, 0, 4):  # alternated
-        print(f"k={k} ({'no drafter' if k == 0 else 'tuner at zero'}): "
-              f"{loop(k, a.steps, a.overlap):.3f} ms CPU a step")  # fmt: skip
+        cpu = loop(k, a.steps, a.overlap, a.live, a.profile)
+        print(f"k={k} ({'no drafter' if k == 0 else what}): {cpu:.3f} ms CPU a step")
 
 
 if __name__ == "__main__":

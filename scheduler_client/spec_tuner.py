@@ -33,7 +33,9 @@ steps or when its last re-measurement made it cheaper (up to three times in a ro
 again after 8 decisions. While drafting is chosen, a width measured when the width in use cost
 a quarter more than it does now (``STALE``: a worker's first, slow steps, a host that sped up),
 for ``STALE_FOR`` decisions in a row, is measured anew: its samples are dropped, or for the
-drafting end, it is re-measured at the next decision. At batch 1 on a GPU, where a step costs
+drafting end, it is re-measured at the next decision. While no drafts win by a clear margin
+(``OFF_MARGIN``), the widths are weighed once in ``OFF_FOR`` decisions: without drafts nothing
+is judged, so the choice holds until the step times move. At batch 1 on a GPU, where a step costs
 about the same whatever its width, this keeps full speculation; where verifying or drafting costs
 more than the accepted drafts save (large batches, a slow drafter), the proposal width goes to
 zero and the drafter stops working, so speculation never costs throughput.
@@ -76,6 +78,12 @@ CALIBRATION_RANGE = (0.25, 1.0)  # the ratio's bounds: a few unlucky steps never
 # for good, and drafts that make more than the model expects never widen a choice past the model's
 # own (a dummy target's EAGLE drafts made 0.9-2.2x what it expected on an H100, h100-s24, and
 # its rows stayed within their spread of no drafts): the calibration only ever turns drafting down
+OFF_MARGIN = 0.1  # no drafts beat every width by more than this share: the choice stands ...
+OFF_FOR = 8  # ... and the widths are weighed once in this many decisions (of any batch size:
+# while drafting is off no draft is judged, so the requests' acceptance stays as it was; weighing
+# every step cost the scheduler about 0.1 ms a step at c=64, h200-s25), unless a re-measurement
+# falls due or a width's time moved since by more than keeps the margin (OFF_MARGIN / (2 +
+# OFF_MARGIN): no drafts dearer and a width cheaper by that much still leave no drafts ahead)
 FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of the requests
 # expected to get drafts got them (else the few found are weighed anew: a wide step for them;
 # with overlap a request whose drafts are not back yet counts as having them, and the worker
@@ -196,6 +204,9 @@ class _Bucket:
     repeat: bool = False  # ... and it moved that end's time: measure the same end next
     soon: int = 0  # re-measurements of the no-drafts end in a row that moved its time
     chosen: int = 0  # the last ``best`` choice's K
+    off_until: int = -1  # a clear choice of no drafts stands until this decision of the tuner's
+    # (``SpeculationTuner.decisions``, OFF_FOR) ...
+    off_known: dict[int, float] = field(default_factory=dict)  # ... while the times stay these
     # width -> every width's time when it was last measured (a width measured only later: its
     # first time), for ``stale``
     at: dict[int, dict[int, float]] = field(default_factory=dict)
@@ -316,6 +327,7 @@ class SpeculationTuner:
         self._expected = 0.0
         self._made = 0.0
         self.calibration = 1.0  # what the accepted drafts made for each token the model expected
+        self.decisions = 0  # ``propose`` calls, every batch size's
 
     @property
     def prior(self) -> float:
@@ -363,6 +375,7 @@ class SpeculationTuner:
             return 0
         bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
         bucket.decisions += 1
+        self.decisions += 1
         if self._expected:
             self._expected *= CALIBRATION_FADE
             self._made *= CALIBRATION_FADE
@@ -382,8 +395,14 @@ class SpeculationTuner:
                 bucket.hold = self._verify = width - 1
                 self.reason = "ends"
                 return width - 1
+        if self._off_stands(bucket, known):
+            self.reason = "best"
+            return 0
         rates = self._rates(known, alphas, caps, top, hits)
         best_k = self._best(rates)
+        bucket.off_until = -1
+        if best_k == 0 and rates[0] > (1.0 + OFF_MARGIN) * max(rates[1:]):
+            bucket.off_until, bucket.off_known = self.decisions + OFF_FOR, dict(known)
         if bucket.next_explore < 0:  # both ends just measured
             wait = max(bucket.explore_every, self._explore_wait(bucket, rates))
             if self._unsure(bucket, best_k):
@@ -443,6 +462,22 @@ class SpeculationTuner:
             got = able if hits is None else able * np.clip(np.asarray(hits, np.float64), 0, 1)
             self._proposed = (best_k, float(got.sum()) / len(caps))
         return best_k
+
+    def _off_stands(self, bucket: _Bucket, known: dict[int, float]) -> bool:
+        """The bucket's last choice, no drafts by a clear margin, stands without weighing the
+        widths again: within OFF_FOR of the tuner's decisions of it, no re-measurement under way
+        or due, and every width's time near enough what it was then to keep the margin."""
+        if not (
+            bucket.chosen == 0
+            and self.decisions < bucket.off_until
+            and bucket.explored_from < 0
+            and bucket.decisions < bucket.next_explore
+            and known.keys() == bucket.off_known.keys()
+        ):
+            return False
+        near = OFF_MARGIN / (2.0 + OFF_MARGIN)
+        then = bucket.off_known
+        return all(abs(t - then[w]) <= near * then[w] for w, t in known.items())
 
     @staticmethod
     def _unsure(bucket: _Bucket, best_k: int) -> bool:

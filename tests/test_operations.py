@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from scheduler_client import Engine, EngineConfig, WorkerDied
+from scheduler_client.scheduler import SchedulerConfig
 from tests.models import save_byte_model, save_tiny
 from tests.procs import logged, reap, start_worker
 from worker.config import parse_args
@@ -129,6 +130,10 @@ def test_prometheus_endpoints_on_both_sides(tmp_path: Path) -> None:
         worker_log=str(log),
         metrics_port=-1,
         step_trace=str(tmp_path / "steps.jsonl"),
+        # no tuner: every step asks for drafts, so the grammar's forced tokens come on every
+        # step (a tuner measuring its no-drafts end, or keeping drafting off, asks for none,
+        # and then none are forced either)
+        scheduler=SchedulerConfig(adaptive_speculation=False),
     )
     with Engine(cfg) as e:
         reqs = e.generate(

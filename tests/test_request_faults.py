@@ -448,6 +448,10 @@ def test_a_request_running_at_two_worker_deaths_is_failed(tmp_path: Path, model:
         status, body = d.call("/v1/completions", {**GREEDY, "max_tokens": 8})
         assert status == 200 and body["choices"][0]["finish_reason"] == "length", body
         assert restarts(d) == 2 and d.proc.poll() is None
+        # the watch polls from its own thread, which a loaded 2-core machine may starve (it had
+        # not polled since the recovery when it was stopped): it stops once it has seen the
+        # daemon healthy again
+        wait_until(lambda: watch.seen[-1] == (200, "ok"), 30, "the watch seeing recovery")
         watch.stop.set()
         watch.join(timeout=60)
         assert (503, "recovering") in watch.seen, watch.seen

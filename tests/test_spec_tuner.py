@@ -27,7 +27,9 @@ from scheduler_client.spec_tuner import (
     CALIBRATION_RANGE,
     EXPLORE_EVERY,
     MAX_EXPLORE_EVERY,
+    OFF_FOR,
     SpeculationTuner,
+    batch_bucket,
     expected_tokens,
 )
 from tests.driver import Req, run
@@ -842,3 +844,48 @@ def test_the_scheduler_pairs_each_request_s_expected_gain_with_what_its_drafts_m
     s.predicted[s.step_id] = {"a": 1.0}  # in flight when the worker is replaced
     s.requeue_all()
     assert not s.predicted and not s.choices
+
+
+def test_a_clear_choice_of_no_drafts_stands_without_weighing_every_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While drafting is off no draft is judged, so a clear choice of no drafts is weighed once
+    in OFF_FOR decisions (at c=64 weighing every step cost the scheduler about 0.1 ms a step);
+    a width whose time moves, a re-measurement falling due, or decisions of another batch size
+    in between weigh the widths again."""
+    tuner = SpeculationTuner(4)
+    for _ in range(4):
+        tuner.observe_step(64, 1, 1.0, 0)
+        tuner.observe_step(64, 5, 4.0, 4)
+    weighed = []
+    rates = tuner._rates
+    monkeypatch.setattr(tuner, "_rates", lambda *a: weighed.append(1) or rates(*a))
+    alphas, caps = [0.2] * 64, [4] * 64
+    ks = [tuner.propose(alphas, caps) for _ in range(OFF_FOR)]
+    assert ks == [0] * OFF_FOR and tuner.reason == "best"
+    assert len(weighed) == 1  # the first decision weighed, the rest stood
+    assert tuner.propose(alphas, caps) == 0 and len(weighed) == 2  # OFF_FOR passed: anew
+    tuner.observe_step(64, 1, 1.5, 0)  # the no-drafts end got dearer: anew at once
+    assert tuner.propose(alphas, caps) == 0 and len(weighed) == 3
+    assert tuner.propose(alphas, caps) == 0 and len(weighed) == 3  # stands
+    bucket = tuner._buckets[batch_bucket(64)]
+    bucket.next_explore = bucket.decisions + 1  # a re-measurement falls due: it is made
+    assert tuner.propose(alphas, caps) == 4 and tuner.reason == "explore"
+    assert tuner.propose(alphas, caps) == 4 and tuner.reason == "hold"  # its second step
+    for _ in range(30):  # drafting got cheap: the next weighing turns it on
+        tuner.observe_step(64, 5, 1.0, 4)
+    assert tuner.propose([0.9] * 64, caps) > 0 and tuner.reason == "best"
+    # the decisions of another batch size count: after OFF_FOR of them, this one weighs anew
+    tuner = SpeculationTuner(4)
+    for n in (64, 32):
+        for _ in range(4):
+            tuner.observe_step(n, 1, 1.0, 0)
+            tuner.observe_step(n, 5, 4.0, 4)
+    weighed.clear()
+    rates_b = tuner._rates
+    monkeypatch.setattr(tuner, "_rates", lambda *a: weighed.append(1) or rates_b(*a))
+    assert tuner.propose(alphas, caps) == 0 and len(weighed) == 1
+    for _ in range(OFF_FOR):
+        assert tuner.propose([0.2] * 32, [4] * 32) == 0
+    weighed.clear()
+    assert tuner.propose(alphas, caps) == 0 and len(weighed) == 1
