@@ -128,12 +128,16 @@ def main() -> None:
         f"{m.num_accepted}"
     )
     if prof is not None:
-        # own time a step, in microseconds (cProfile's overhead inflates every figure alike)
-        stats = pstats.Stats(prof)
-        rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
-        for (file, line, func), (_, calls, own, _cum, _) in rows[: a.cprofile]:
-            where = f"{os.path.relpath(file, root) if file.startswith(root) else file}:{line}"
-            print(f"{own / steps * 1e6:9.1f} us {calls / steps:7.2f} calls  {func} ({where})")
+        print_profile(prof, steps, a.cprofile, root)
+
+
+def print_profile(prof: cProfile.Profile, steps: int, top: int, root: str) -> None:
+    """cProfile's ``top`` dearest functions by own time, in microseconds a step (its overhead
+    inflates every figure alike), files under ``root`` named from there."""
+    rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
+    for (file, line, func), (_, calls, own, _cum, _) in rows[:top]:
+        where = f"{os.path.relpath(file, root) if file.startswith(root) else file}:{line}"
+        print(f"{own / steps * 1e6:9.1f} us {calls / steps:7.2f} calls  {func} ({where})")
 
 
 if __name__ == "__main__":

@@ -17,17 +17,18 @@ from __future__ import annotations
 import argparse
 import cProfile
 import os
-import pstats
 import sys
 import time
 
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from bench.engine_step_bench import print_profile
 from protocol.messages import DraftTokenIds, ModelRunnerOutput, SamplingParams
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 
+ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 B = 64
 ALPHA = 0.2  # --live: each draft accepted with this probability (EAGLE's, on SmolLM2)
 
@@ -109,10 +110,7 @@ def loop(k: int, steps: int, overlap: bool, live: bool = False, profile: int = 0
         print(f"  {done} steps, {drafting} proposing drafts")
     if prof is not None:
         prof.disable()
-        rows = sorted(pstats.Stats(prof).stats.items(), key=lambda kv: -kv[1][2])  # type: ignore[attr-defined]
-        for (file, line, func), (_, calls, own, _cum, _) in rows[:profile]:
-            print(f"{own / done * 1e6:9.1f} us {calls / done:7.2f} calls  {func} "
-                  f"({os.path.basename(file)}:{line})")  # fmt: skip
+        print_profile(prof, max(done, 1), profile, ROOT)
     return cpu
 
 

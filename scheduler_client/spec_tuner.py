@@ -105,12 +105,12 @@ def expected_tokens(alpha: float, k: int) -> float:
 
 
 def _extra_tokens(
-    alphas: Sequence[float], caps: Sequence[int], top: int, hits: Sequence[float] | None
+    alphas: Sequence[float], caps: Sequence[int], ks: np.ndarray, hits: Sequence[float] | None
 ) -> np.ndarray:
-    """[top + 1, requests]: the tokens each request's drafts add at each K in 0..top, by the
+    """[len(ks), requests]: the tokens each request's drafts add at each K of ``ks``, by the
     model: hit * (expected_tokens(alpha, min(K, cap)) - 1)."""
     a = np.minimum(np.asarray(alphas, np.float64), 1.0 - 1e-9)
-    ks = np.minimum(np.arange(top + 1)[:, None], np.asarray(caps)[None, :])  # [K + 1, B]
+    ks = np.minimum(ks[:, None], np.asarray(caps)[None, :])  # [len(ks), B]
     extra = (1.0 - a ** (ks + 1)) / (1.0 - a) - 1.0
     if hits is not None:
         extra = extra * np.clip(np.asarray(hits, np.float64), 0.0, 1.0)
@@ -597,7 +597,7 @@ class SpeculationTuner:
             return sums
         # for every k at once (a Python double loop cost 0.22 ms a step at batch 64:
         # bench/scheduler_step_bench.py)
-        return [float(x) for x in _extra_tokens(alphas, caps, top, hits).sum(axis=1)]
+        return [float(x) for x in _extra_tokens(alphas, caps, np.arange(top + 1), hits).sum(axis=1)]
 
     @staticmethod
     def expected_extras(
@@ -606,7 +606,7 @@ class SpeculationTuner:
         """Each request's tokens its drafts are expected to add at width ``k`` (the model's,
         uncalibrated): what the scheduler pairs with the drafts it accepted
         (``observe_verified``)."""
-        return [float(x) for x in _extra_tokens(alphas, caps, k, hits)[k]]
+        return [float(x) for x in _extra_tokens(alphas, caps, np.array([k]), hits)[0]]
 
     def _explore_wait(self, bucket: _Bucket, rates: list[float]) -> int:
         """Decisions between re-measurements so that they cost at most EXPLORE_SHARE of the
