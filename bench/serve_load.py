@@ -225,13 +225,11 @@ def scrape(port: int, prefix: str = "specd_scheduler_") -> dict[str, float]:
 
 def scrape_tuner(port: int) -> dict[str, dict[str, float]]:
     """The scheduler's speculation tuner as /metrics shows it: "batch/width" -> its step time
-    (ms, at no prefill) and samples."""
+    (ms, at no prefill) and samples ("8d/1": steps with deferred grammar rows)."""
     text = metrics_text(port)
     out: dict[str, dict[str, float]] = {}
     # (several workers add a worker label: their buckets are keyed together, the last wins)
-    pat = (
-        r'^specd_scheduler_tuner_(step_seconds|samples)\{batch="(\d+)",width="(\d+)"[^}]*\} (\S+)$'
-    )
+    pat = r'^specd_scheduler_tuner_(step_seconds|samples)\{batch="(\d+d?)",width="(\d+)"[^}]*\} (\S+)$'
     for m in re.finditer(pat, text, re.M):
         entry = out.setdefault(f"{m.group(2)}/{m.group(3)}", {})
         value = float(m.group(4))

@@ -521,7 +521,14 @@ class Engine:
         ran = out.num_draft_tokens
         width = 1 + (int(ran.max()) if len(ran) else 0)
         if tuner is not None:
-            tuner.observe_step(len(counts), width, seconds, sched.max_draft_proposals, prefill)
+            tuner.observe_step(
+                len(counts),
+                width,
+                seconds,
+                sched.max_draft_proposals,
+                prefill,
+                deferred=bool(len(sched.deferred_req_ids)),
+            )
         if self._trace is not None:
             self._trace.write(
                 json.dumps(

@@ -447,7 +447,7 @@ class Scheduler:
             grammar_bitmask=bitmask,
             draft_widths_are_caps=self.config.async_scheduling,
             deferred_req_ids=deferred,
-            max_draft_proposals=self._proposals(sampling),
+            max_draft_proposals=self._proposals(sampling, bool(deferred)),
         )
         self.to_free, self.to_abort = [], []
         self.steps[self.step_id] = (scheduled, sampling)
@@ -537,7 +537,10 @@ class Scheduler:
         # a request whose drafts are not back yet (overlap) verifies what the drafter finds
         # for it: its hit rate; one whose drafts are here verifies them
         hits = [self._hits(r) if r.pending_samples else 1.0 for r in decoding]
-        choice = self.tuner.choose(alphas, avail, hits)
+        # overlap: a structured request whose last token is still being sampled gets its
+        # grammar rows in a later message (place_pending), and the step is timed apart
+        deferred = any(r.pending_samples and r.matcher is not None for r in decoding)
+        choice = self.tuner.choose(alphas, avail, hits, deferred)
         expect: dict[str, float] = {}
         if choice:
             each = self.tuner.expected_extras(alphas, avail, choice, hits)
@@ -553,15 +556,15 @@ class Scheduler:
         asked, found = self._hits_pool[req.matcher is not None]
         return found / asked if asked >= 1.0 else 1.0
 
-    def _proposals(self, sampling: set[str]) -> int:
+    def _proposals(self, sampling: set[str], deferred: bool) -> int:
         """The most drafts the worker proposes after this step (the tuner's choice; -1: each
-        request's own width)."""
+        request's own width); ``deferred``: the step's grammar rows for some request follow it."""
         if self.tuner is None:
             return -1
         reqs = [self.requests[r] for r in sampling]
         alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in reqs]
         hits = [self._hits(r) for r in reqs]
-        return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs], hits)
+        return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs], hits, deferred)
 
     def update(self, out: ModelRunnerOutput) -> list[Request]:
         """Commit the step's sampled tokens; returns the requests that finished."""

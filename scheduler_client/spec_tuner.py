@@ -312,6 +312,13 @@ class SpeculationTuner:
     def __init__(self, max_k: int) -> None:
         self.max_k = max_k
         self._buckets: dict[int, _Bucket] = {}
+        # steps that carry grammar rows deferred to a later message (overlap scheduling, a
+        # structured greedy request): the worker cannot leave them open (``--pipeline-steps``),
+        # so without drafts they cost about what a drafting step does, where a plain step held
+        # open costs half that (SmolLM2 on an H100, c=1: 1.9-2.0 against 1.05 ms, h100-s26).
+        # Timed together, such steps were most of n-gram's no-drafts samples (it finds no
+        # drafts for them), and the plain requests drafted at 0.82x no drafts.
+        self._deferred: dict[int, _Bucket] = {}
         # drafts judged and accepted over every request, decayed: the prior of a new request
         self._pool_judged = 0.0
         self._pool_accepted = 0.0
@@ -342,16 +349,24 @@ class SpeculationTuner:
         kept drafting on every new request's optimism."""
         return (num_accepted + self.prior * PRIOR_WEIGHT) / (num_judged + PRIOR_WEIGHT)
 
-    def snapshot(self) -> list[tuple[int, int, float, int]]:
+    def snapshot(self) -> list[tuple[str, int, float, int]]:
         """(batch bucket, width 1 + K, the decode part of its step time in seconds, samples) of
-        every width measured: what the choices are made from (``/metrics``)."""
+        every width measured: what the choices are made from (``/metrics``). The bucket of
+        steps with deferred grammar rows is named with a "d" ("8d")."""
         out = []
-        for b, bucket in list(self._buckets.items()):
-            fits = dict(bucket.fits)  # a scrape's thread: the engine's may add a width meanwhile
-            for w, seconds in sorted(_Bucket(fits=fits).seconds.items()):
-                if fits[w].n:  # a time borrowed from another batch size is not shown
-                    out.append((b, w, seconds, fits[w].n))
+        for suffix, family in (("", self._buckets), ("d", self._deferred)):
+            for b, bucket in list(family.items()):
+                fits = dict(bucket.fits)  # a scrape's thread: the engine's may add a width
+                for w, seconds in sorted(_Bucket(fits=fits).seconds.items()):
+                    if fits[w].n:  # a time borrowed from another batch size is not shown
+                        out.append((f"{b}{suffix}", w, seconds, fits[w].n))
         return out
+
+    def _bucket(self, num_reqs: int, deferred: bool) -> _Bucket:
+        """The step times and choices of a batch of ``num_reqs`` requests, with or without
+        deferred grammar rows (``_deferred``)."""
+        family = self._deferred if deferred else self._buckets
+        return family.setdefault(batch_bucket(num_reqs), _Bucket())
 
     def observe_judged(self, num_judged: int, num_accepted: int) -> None:
         """One request's step: drafts the target judged (accepted + the first rejected) and
@@ -362,18 +377,23 @@ class SpeculationTuner:
         self._pool_accepted = POOL_KEEP * self._pool_accepted + num_accepted
 
     def propose(
-        self, alphas: Sequence[float], caps: Sequence[int], hits: Sequence[float] | None = None
+        self,
+        alphas: Sequence[float],
+        caps: Sequence[int],
+        hits: Sequence[float] | None = None,
+        deferred: bool = False,
     ) -> int:
         """How many drafts (0..max_k) the worker proposes for each of these requests after this
         step (those that sample; ``caps[i]``: a request's own width; ``hits[i]``: the share of
         the drafts asked for that the drafter finds for it, 1 if None), for the next step to
-        verify. Zero when speculation does not pay: then the drafter does no work."""
+        verify. Zero when speculation does not pay: then the drafter does no work.
+        ``deferred``: the step carries deferred grammar rows (``_deferred``)."""
         top = min(self.max_k, max(caps, default=0))
         self._proposed = (0, 0.0)
         if top <= 0:
             self.reason = "none"
             return 0
-        bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
+        bucket = self._bucket(len(caps), deferred)
         bucket.decisions += 1
         self.decisions += 1
         if self._expected:
@@ -388,7 +408,7 @@ class SpeculationTuner:
         if bucket.measure_stale_anew(known, 1 + top):
             known = bucket.seconds
         if 1 + top not in known and 1 in known:
-            self._borrow(bucket, len(caps), 1 + top)
+            self._borrow(bucket, len(caps), 1 + top, deferred)
             known = bucket.seconds
         for width in (1, 1 + top):  # measure both ends first
             if width not in known:
@@ -488,25 +508,31 @@ class SpeculationTuner:
         fit = bucket.fits.get(1)
         return best_k > 0 and (fit is None or fit.n < SURE_SAMPLES)
 
-    def _borrow(self, bucket: _Bucket, num_reqs: int, width: int) -> None:
+    def _borrow(self, bucket: _Bucket, num_reqs: int, width: int, deferred: bool) -> None:
         """A batch size's first drafting-end time from the nearest batch size measured at both
         ends (as a ratio to width 1, which is measured here): the batch drains through every
         bucket below it as requests end, and measuring a losing draft model's end in each cost
         two of its steps there (a tenth of a short served row at c=64). Its first step at that
-        width replaces the borrowed time."""
+        width replaces the borrowed time. Steps with the same kind of grammar rows first."""
         own = batch_bucket(num_reqs)
         near = sorted(
-            (abs(b.bit_length() - own.bit_length()), b)
-            for b, other in self._buckets.items()
-            if b != own and {1, width} <= {w for w, f in other.fits.items() if f.n}
+            (kind != deferred, abs(b.bit_length() - own.bit_length()), b, kind)
+            for kind, family in ((False, self._buckets), (True, self._deferred))
+            for b, other in family.items()
+            if other is not bucket and {1, width} <= {w for w, f in other.fits.items() if f.n}
         )
         if not near:
             return
-        times = self._buckets[near[0][1]].seconds
+        *_, b, kind = near[0]
+        times = (self._deferred if kind else self._buckets)[b].seconds
         bucket.set_fit(width, _Fit(t=bucket.seconds[1] * times[width] / times[1]))
 
     def choose(
-        self, alphas: Sequence[float], caps: Sequence[int], hits: Sequence[float] | None = None
+        self,
+        alphas: Sequence[float],
+        caps: Sequence[int],
+        hits: Sequence[float] | None = None,
+        deferred: bool = False,
     ) -> int:
         """The batch's draft width K (0..max_k) for a decode step of these requests (all of
         them: a request without drafts has cap 0 and still yields its one token), each able to
@@ -514,7 +540,7 @@ class SpeculationTuner:
         whose drafts are not back yet, its own width found with the share ``hits[i]``). Every
         draft held, until both ends are measured."""
         top = min(self.max_k, max(caps, default=0))
-        bucket = self._buckets.setdefault(batch_bucket(len(caps)), _Bucket())
+        bucket = self._bucket(len(caps), deferred)
         verify, self._verify = self._verify, -1
         proposed, share = self._proposed
         self._proposed = (0, 0.0)
@@ -633,6 +659,7 @@ class SpeculationTuner:
         seconds: float,
         proposals: int = -1,
         prefill_tokens: int = 0,
+        deferred: bool = False,
     ) -> None:
         """A step of ``num_reqs`` requests whose widest decode ran ``width`` tokens, beside
         ``prefill_tokens`` tokens of prompt chunks, and after which the worker proposed at most
@@ -640,11 +667,11 @@ class SpeculationTuner:
         state: it drafted what it verified, or verified some drafts and proposed more (a drafter
         that found fewer than asked). A step that verified drafts and proposed fewer, or
         proposed drafts it did not verify, is a switch between widths: its time belongs to
-        neither."""
+        neither. ``deferred``: it carried deferred grammar rows (``_deferred``)."""
         k = width - 1
         if proposals >= 0 and not (proposals == k or 0 < k < proposals):
             return
-        bucket = self._buckets.setdefault(batch_bucket(num_reqs), _Bucket())
+        bucket = self._bucket(num_reqs, deferred)
         bucket.observe(width, prefill_tokens, seconds)
 
     @staticmethod

@@ -401,7 +401,7 @@ def test_a_drafter_held_at_zero_width_offers_no_forced_drafts(
     forcing = StructuredSpec("regex", "azzzzzzzzzzzz")
     for asked in (0, -1):
         s = scheduler(tok, grammar)
-        s._proposals = lambda sampling, asked=asked: asked  # type: ignore[method-assign]
+        s._proposals = lambda sampling, deferred, asked=asked: asked  # type: ignore[method-assign]
         s.add(request(tok, "s", forcing))
         s0 = s.schedule()
         assert s0 is not None and s0.max_draft_proposals == asked
@@ -534,3 +534,31 @@ def test_the_tuner_counts_no_unvalidated_drafts_a_structured_request_cannot_veri
     s2 = s.schedule()
     assert s2 is not None and width_of(s2, "s") == 0
     assert s.choices[s2.step_id][:3] == (-1, 0, 1)  # no choice: no request with drafts to verify
+
+
+def test_overlap_steps_with_deferred_grammar_rows_are_weighed_apart(
+    tok: TokenizerInfo, grammar: GrammarBackend
+) -> None:
+    """Overlap with the speculation tuner: a step that carries a structured request whose last
+    token is still being sampled has its grammar rows deferred, so the worker cannot leave it
+    open. The tuner's choices for it, and its time, go to a bucket of their own; a plain
+    request's steps and the first step of any request do not."""
+    config = SchedulerConfig(adaptive_speculation=True, async_scheduling=True)
+    s = Scheduler(config, LIMITS, tok, grammar)
+    assert s.tuner is not None
+    kinds: list[bool] = []
+    propose = s.tuner.propose
+    s.tuner.propose = lambda *a: kinds.append(a[3]) or propose(*a)  # type: ignore[method-assign]
+    s.add(request(tok, "s", LOWER))
+    s0, s1 = s.schedule(), s.schedule()
+    assert s0 is not None and s1 is not None
+    assert not s0.deferred_req_ids and s1.deferred_req_ids == ["s"]
+    p = Scheduler(config, LIMITS, tok, grammar)
+    assert p.tuner is not None
+    propose_plain = p.tuner.propose
+    p.tuner.propose = lambda *a: kinds.append(a[3]) or propose_plain(*a)  # type: ignore[method-assign]
+    p.add(request(tok, "p", None))
+    assert p.schedule() is not None and p.schedule() is not None
+    assert kinds == [False, True, False, False]
+    assert 1 in s.tuner._deferred and 1 in s.tuner._buckets  # both kinds of step proposed
+    assert 1 not in p.tuner._deferred
