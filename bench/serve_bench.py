@@ -178,7 +178,8 @@ def worker_cmd(
     a: argparse.Namespace, drafter: str, mode: str, addr: str, metrics_port: int
 ) -> list[str]:
     cmd = [sys.executable, "-m", "worker.daemon", "--model", a.model, "--listen", addr]
-    cmd += ["--pipeline-steps"] if mode == "pipelined" else []
+    # each mode pins both flags: left unset, a CUDA worker pipelines and its scheduler overlaps
+    cmd += ["--pipeline-steps" if mode == "pipelined" else "--no-pipeline-steps"]
     cmd += ["--metrics-port", str(metrics_port)]
     cmd += ["--load-format", a.load_format, "--drafter", drafter, "--log-level", "WARNING"]
     cmd += ["--max-num-seqs", str(max(a.concurrencies)), "--max-model-len", str(a.max_model_len)]
@@ -216,7 +217,8 @@ def served(
         # --port 0: the scheduler binds a free port and names it in its "ready" line
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
-        sched_cmd += ["--async-scheduling"] if mode in ("overlap", "pipelined") else []
+        overlap = mode in ("overlap", "pipelined")
+        sched_cmd += ["--async-scheduling" if overlap else "--no-async-scheduling"]
         sched_cmd += shlex.split(a.scheduler_args)
         if a.log_dir:  # every step's sizes, widths and time (bench/step_trace.py reads it)
             trace = Path(a.log_dir) / f"trace-{drafter}-{mode}.jsonl"

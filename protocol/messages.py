@@ -31,7 +31,9 @@ PROTOCOL_MAJOR = 1
 # 5: SchedulerOutput.max_draft_proposals
 # 6: ModelRunnerOutput.drafts_follow (a worker leaves out a DraftTokenIds without drafts for a
 #    scheduler of minor 6 or later)
-PROTOCOL_MINOR = 6
+# 7: WorkerReady.pipeline_steps (the worker leaves steps without drafts open: a scheduler left to
+#    choose runs overlap scheduling with three steps in flight)
+PROTOCOL_MINOR = 7
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -78,7 +80,11 @@ class WorkerReady(_Msg, tag="ready", frozen=True):
     sets lower caps; ``max_num_batched_tokens`` 0 (minor < 2) means the worker did not say.
     The target's KV cache is ``num_kv_blocks`` blocks of ``kv_block_size`` tokens; a request holds
     ``ceil(tokens / kv_block_size)`` of them, and the scheduler admits and preempts by that count
-    (0, minor < 4: the worker did not say; the scheduler counts only ``max_num_seqs``)."""
+    (0, minor < 4: the worker did not say; the scheduler counts only ``max_num_seqs``).
+    ``pipeline_steps`` (minor 7): the worker leaves a step without drafts open and launches the
+    next one behind it (``--pipeline-steps``, on by default on CUDA); a scheduler whose user did
+    not choose its mode then runs overlap scheduling with three steps in flight (False, minor <
+    7: sync, or two steps in flight with ``--async-scheduling``)."""
 
     protocol_major: int
     protocol_minor: int
@@ -94,6 +100,7 @@ class WorkerReady(_Msg, tag="ready", frozen=True):
     max_num_batched_tokens: int = 0  # minor 2
     num_kv_blocks: int = 0  # minor 4
     kv_block_size: int = 0  # minor 4
+    pipeline_steps: bool = False  # minor 7
 
 
 class SchedulerOutput(_Msg, tag="sched", frozen=True):

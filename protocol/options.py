@@ -46,7 +46,10 @@ def load_toml(path: str, ap: argparse.ArgumentParser) -> dict[str, object]:
 
 def _typed(where: str, action: argparse.Action, value: object) -> object:
     """``value`` as the flag's parser would produce it, or a ``ValueError`` saying why not."""
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(
+        action,
+        (argparse._StoreTrueAction, argparse._StoreFalseAction, argparse.BooleanOptionalAction),
+    ):
         if not isinstance(value, bool):
             raise ValueError(f"{where} must be true or false, got {value!r}")
         return value

@@ -130,6 +130,7 @@ class Engine:
                 max_num_batched_tokens=ready.max_num_batched_tokens,
                 num_kv_blocks=ready.num_kv_blocks,
                 kv_block_size=ready.kv_block_size,
+                pipeline_steps=ready.pipeline_steps,
             )
             self.scheduler = Scheduler(config.scheduler, limits, self.tokenizer, grammar)
             self.prom = SchedulerMetrics()
@@ -147,8 +148,10 @@ class Engine:
             raise
         self.ready = ready
         # overlap scheduling needs a worker that knows capped widths and deferred rows (minor 1)
-        self.overlap = config.scheduler.async_scheduling and ready.protocol_minor >= 1
-        if config.scheduler.async_scheduling and not self.overlap:
+        # (the mode the user left to the worker is chosen by now: ``resolve_mode``)
+        wanted = self.scheduler.async_scheduling
+        self.overlap = wanted and ready.protocol_minor >= 1
+        if wanted and not self.overlap:
             log.warning(
                 "the worker speaks protocol minor %d: overlap scheduling is off",
                 ready.protocol_minor,
@@ -409,7 +412,7 @@ class Engine:
             and self._turnaround_s < SHALLOW * self._cycle_s
         ):
             return 2
-        return cfg.max_steps_in_flight
+        return self.scheduler.max_steps_in_flight
 
     def _worker_died(self, e: WorkerDied) -> list[Request]:
         """The worker is gone: a new one takes the requests over (``_recover``) while restarts

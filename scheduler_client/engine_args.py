@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 
 from protocol.transport import TransportConfig
 from scheduler_client.engine import EngineConfig
@@ -77,17 +78,21 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
     )
     ap.add_argument(
         "--async-scheduling",
-        action="store_true",
+        action=argparse.BooleanOptionalAction,
+        default=None,
         help="overlap scheduling: send the next step before this one's output arrives "
-        "(structured greedy requests get their grammar rows in a deferred message)",
+        "(structured greedy requests get their grammar rows in a deferred message); default: "
+        "on for a worker that leaves steps open (--pipeline-steps, its default on CUDA), off "
+        "for others (a CPU worker)",
     )
     ap.add_argument(
         "--max-steps-in-flight",
         type=_steps_in_flight,
-        default=2,
+        default=None,
         help="with --async-scheduling: the most steps sent before the oldest one's output "
         "arrives (2: the next step; 3 gives a worker with --pipeline-steps the step after that "
-        "while the scheduler commits; 2..4); auto: 3, and 2 while the worker drafts and the "
+        "while the scheduler commits; 2..4; default: 3 for a worker that leaves steps open, "
+        "else 2); auto: 3, and 2 while the worker drafts and the "
         "scheduler's turnaround "
         "takes under half the time between outputs (long steps, as a draft model's: a new "
         "request then waits one step less for its first token)",
@@ -98,6 +103,12 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         help="always verify every draft (default: choose the width from measured goodput)",
     )
     ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
+    ap.add_argument(
+        "--worker-args",
+        default="",
+        help="more specd-worker flags for the launched worker, one string (split as a shell "
+        'would: --worker-args "--dtype float16 --no-pipeline-steps")',
+    )
     ap.add_argument(
         "--step-trace",
         default=None,
@@ -148,6 +159,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
         worker_max_num_batched_tokens=a.max_num_batched_tokens,
         grammar_backend=a.grammar_backend,
         worker_log=a.worker_log,
+        worker_args=tuple(shlex.split(a.worker_args)),
         step_trace=a.step_trace,
         max_worker_restarts=a.max_worker_restarts,
         restart_window_s=a.restart_window_s,

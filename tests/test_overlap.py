@@ -4,6 +4,7 @@ and grammar-safe like sync mode (CPU, float32, tiny byte-level models)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -15,7 +16,7 @@ import pytest
 
 from protocol.messages import SchedulerOutput
 from scheduler_client import Engine
-from scheduler_client.scheduler import SchedulerConfig
+from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 from tests.models import greedy_reference, reference_copy, tiny_model
 from tests.test_operations import assert_cycles_add_up
 from tests.test_scheduler_e2e import SCHEMAS, SEED, engine, prompts, started_together
@@ -230,7 +231,10 @@ def test_the_auto_depth_follows_the_turnaround_against_the_time_between_outputs(
 
     cfg = SchedulerConfig(async_scheduling=True, max_steps_in_flight=3, steps_in_flight_auto=True)
     eng = SimpleNamespace(
-        scheduler=SimpleNamespace(config=cfg), _drafting=True, _cycle_s=0.007, _turnaround_s=0.0015
+        scheduler=SimpleNamespace(config=cfg, max_steps_in_flight=3),
+        _drafting=True,
+        _cycle_s=0.007,
+        _turnaround_s=0.0015,
     )  # a draft model's step on an H100
     assert Engine._depth(eng) == 2  # type: ignore[arg-type]
     eng._cycle_s, eng._turnaround_s = 0.0025, 0.0017  # a short step, a long turnaround
@@ -265,3 +269,57 @@ def test_max_steps_in_flight_auto_on_the_command_line_and_in_a_config_file(
     toml.write_text("max-steps-in-flight = true\n")
     with pytest.raises(ValueError, match="max-steps-in-flight"):
         load_toml(str(toml), ap)
+
+
+def test_the_scheduling_mode_left_to_the_worker_follows_its_handshake(tmp_path: Path) -> None:
+    """``specd-scheduler`` without --async-scheduling or --max-steps-in-flight leaves them to
+    the worker: one that leaves steps open (``WorkerReady.pipeline_steps``, a CUDA worker's
+    default) gets overlap with three steps in flight, any other sync; a user's choice stands.
+    The worker's --pipeline-steps defaults to None (on where the GPU runs the kernels), and
+    --worker-args reaches a launched worker."""
+    import argparse
+
+    from protocol.options import load_toml
+    from scheduler_client.engine_args import add_engine_args, engine_config
+    from scheduler_client.scheduler import resolve_mode
+    from worker.config import parse_args
+
+    ap = argparse.ArgumentParser()
+    add_engine_args(ap)
+    left = engine_config(ap.parse_args(["--model", "m"]))
+    assert (left.scheduler.async_scheduling, left.scheduler.max_steps_in_flight) == (None, None)
+    limits = WorkerLimits(
+        vocab_size=100,
+        eos_token_ids=(0,),
+        max_model_len=64,
+        max_num_speculative_tokens=4,
+        max_num_seqs=4,
+    )
+    piped = dataclasses.replace(limits, pipeline_steps=True)
+
+    def mode(flags: list[str], worker: WorkerLimits) -> tuple[bool | None, int | None]:
+        return resolve_mode(
+            engine_config(ap.parse_args(["--model", "m", *flags])).scheduler, worker
+        )
+
+    assert mode([], piped) == (True, 3)
+    assert mode([], limits) == (False, 2)
+    assert mode(["--async-scheduling"], limits) == (True, 2)
+    assert mode(["--no-async-scheduling"], piped) == (False, 2)
+    assert mode(["--max-steps-in-flight", "2"], piped) == (True, 2)
+    s = Scheduler(
+        SchedulerConfig(async_scheduling=None, max_steps_in_flight=None), piped, None, None
+    )
+    assert (s.config.async_scheduling, s.config.max_steps_in_flight) == (True, 3)
+    toml = tmp_path / "s.toml"
+    toml.write_text("async-scheduling = false\n")
+    assert load_toml(str(toml), ap)["async_scheduling"] is False
+    args = '--worker-args=--no-pipeline-steps --dtype "float16"'
+    assert engine_config(ap.parse_args(["--model", "m", args])).worker_args == (
+        "--no-pipeline-steps",
+        "--dtype",
+        "float16",
+    )
+    assert parse_args(["--model", "m"]).pipeline_steps is None
+    assert parse_args(["--model", "m", "--pipeline-steps"]).pipeline_steps is True
+    assert parse_args(["--model", "m", "--no-pipeline-steps"]).pipeline_steps is False

@@ -373,7 +373,9 @@ def test_pipelined_worker_structured_and_sampled_equal_the_plain_one(
 def deep(
     request: pytest.FixtureRequest, target_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Engine, Engine, Path]]:
-    """A sync engine and one with three steps in flight (the worker pipelined where it can)."""
+    """A sync engine and one with three steps in flight (the worker pipelined where it can).
+    The second leaves its mode to the worker, whose handshake says it leaves steps open: overlap
+    with three steps in flight (``resolve_mode``)."""
     log = tmp_path_factory.mktemp("deep") / "worker.log"
     flags = ("--pipeline-steps", "--metrics-port", "-1")
     sync, deep3 = started_together(
@@ -381,8 +383,8 @@ def deep(
         lambda: engine(
             target_dir,
             request.param,
-            async_scheduling=True,
-            max_steps_in_flight=3,
+            async_scheduling=None,
+            max_steps_in_flight=None,
             worker_args=flags,
             worker_log=str(log),
         ),
@@ -395,7 +397,12 @@ def deep(
 def test_three_steps_in_flight_greedy_equals_target_greedy(
     deep: tuple[Engine, Engine, Path],
 ) -> None:
-    _, deep3, log = deep
+    sync, deep3, log = deep
+    # a CPU worker leaves no step open unless told to, and says so in its handshake
+    assert not sync.ready.pipeline_steps and not sync.overlap
+    assert deep3.ready.pipeline_steps and deep3.overlap
+    cfg = deep3.scheduler.config
+    assert (cfg.async_scheduling, cfg.max_steps_in_flight) == (True, 3)
     check_greedy(deep3, 8)
     assert deep3.num_worker_restarts == 0
     if deep3.config.drafter == "none":

@@ -310,6 +310,36 @@ def test_a_minor_3_scheduler_and_a_minor_4_worker_read_each_others_ready() -> No
     assert (got.num_kv_blocks, got.kv_block_size) == (0, 0)
 
 
+class WorkerReadyV6(WorkerReadyV3, tag="ready"):
+    """``WorkerReady`` as minors 4 to 6 knew it (no ``pipeline_steps``)."""
+
+    num_kv_blocks: int = 0
+    kv_block_size: int = 0
+
+
+def test_a_minor_6_scheduler_and_a_minor_7_worker_read_each_others_ready() -> None:
+    """Minor 7 added ``pipeline_steps`` last: an old scheduler reads a new worker's handshake
+    (the flag is ignored: it schedules as its user said), and a new scheduler reads an old
+    worker's as one that leaves no step open (its mode left to the worker: sync)."""
+    assert m.PROTOCOL_MINOR >= 7
+    new = msgspec.structs.replace(
+        ready_v2(), num_kv_blocks=384, kv_block_size=16, pipeline_steps=True
+    )
+    header = Codec().encode(new)[0]
+    _major, _minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
+    old = msgspec.msgpack.Decoder(WorkerReadyV6).decode(body)
+    for f in WorkerReadyV6.__struct_fields__:
+        assert getattr(old, f) == getattr(new, f), f
+
+    fields = [getattr(new, f) for f in WorkerReadyV6.__struct_fields__]
+    codec = Codec()
+    frames = codec.encode_versioned(WorkerReadyV6(*fields), m.PROTOCOL_MAJOR, 6)
+    got = codec.decode([bytes(f) for f in frames])
+    assert isinstance(got, m.WorkerReady)
+    assert (got.num_kv_blocks, got.kv_block_size) == (384, 16)
+    assert got.pipeline_steps is False
+
+
 class SchedulerOutputV4(msgspec.Struct, tag="sched", array_like=True, gc=False):
     """SchedulerOutput as minors 3 and 4 knew it (before ``max_draft_proposals``)."""
 

@@ -28,9 +28,9 @@ def engine(
     drafter: str,
     draft: Path | None = None,
     *,
-    async_scheduling: bool = False,
+    async_scheduling: bool | None = False,
     adaptive_speculation: bool = True,
-    max_steps_in_flight: int = 2,
+    max_steps_in_flight: int | None = 2,
     steps_in_flight_auto: bool = False,
     **kw: object,
 ) -> Engine:

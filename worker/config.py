@@ -101,7 +101,7 @@ class WorkerConfig:
     tp_init: str | None = None  # the rank group's init method, file://PATH (set by rank 0)
     enforce_eager: bool = False
     enable_torch_compile: bool = False
-    pipeline_steps: bool = False
+    pipeline_steps: bool | None = None  # None: on for a CUDA worker of one rank, off otherwise
 
     def transport(self) -> TransportConfig:
         return TransportConfig(
@@ -306,10 +306,13 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
     )
     ap.add_argument(
         "--pipeline-steps",
-        action="store_true",
-        help="with no drafter: leave a step's sampled tokens on the device and launch the next "
-        "step (sent ahead by a scheduler with --async-scheduling) before reading them, so the "
-        "host prepares step n+1 while the GPU runs step n (vLLM's async scheduling)",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="leave a step that verifies and proposes no drafts open (its sampled tokens on the "
+        "device) and launch the next step (sent ahead by a scheduler with overlap scheduling) "
+        "before reading them, so the host prepares step n+1 while the GPU runs step n (vLLM's "
+        "async scheduling; default: on with CUDA and one rank, off on the CPU, where the host "
+        "runs the kernels itself and an open step only delays its answer)",
     )
     ap.add_argument(
         "--metrics-port",

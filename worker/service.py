@@ -602,6 +602,12 @@ def serve(
         except (OSError, ValueError) as e:
             log.error("model load failed: %s", e)
             return EXIT_LOAD
+        # --pipeline-steps: by default where the GPU runs the kernels (on the CPU the host runs
+        # them, so an open step only answers later) and one rank serves; told in the handshake
+        pipeline = cfg.pipeline_steps
+        if pipeline is None:
+            pipeline = runner.device.type == "cuda"
+        ready = msgspec.structs.replace(ready, pipeline_steps=bool(pipeline) and not ranks)
         if ranks:
             runner = BroadcastRunner(runner, runner.device)  # type: ignore[assignment]
         freeze_startup_heap()
@@ -616,7 +622,7 @@ def serve(
             metrics,
             peer_timeout_s=cfg.peer_timeout_s,
             parent_pid=cfg.parent_pid,
-            pipeline_steps=cfg.pipeline_steps,
+            pipeline_steps=ready.pipeline_steps,
         )
 
         def stop(signum: int, _frame: object) -> None:
