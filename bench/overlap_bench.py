@@ -91,6 +91,8 @@ def main() -> None:
                     max_num_batched_tokens=max(2048, 5 * max(a.batches)),
                     async_scheduling=overlap,
                 ),
+                # sync against overlap alone, as before a CUDA worker pipelined by default
+                worker_args=("--no-pipeline-steps",),
             )
         )
     try:

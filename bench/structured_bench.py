@@ -101,6 +101,7 @@ def main() -> None:
             max_model_len=1024,
             worker_max_num_seqs=max(8, a.num_requests),
             scheduler=SchedulerConfig(max_num_seqs=max(8, a.num_requests)),
+            worker_args=("--no-pipeline-steps",),  # sync, as before a CUDA worker pipelined
             worker_log=os.devnull,
         )
         try:

@@ -98,6 +98,11 @@ class EngineConfig:
             raise ValueError("--restart-window-s must be > 0 seconds")
         if self.stall_threshold_s <= 0:
             raise ValueError("--stall-threshold-s must be > 0 seconds")
+        if self.worker_addr and self.worker_args:
+            raise ValueError(
+                "--worker-args applies to a launched worker: with --worker, start that worker "
+                "with those flags"
+            )
 
 
 class Engine:
@@ -220,7 +225,6 @@ class Engine:
             str(c.max_model_len),
             "--parent-pid",
             str(os.getpid()),
-            *c.worker_args,
         ]
         if c.worker_max_num_seqs is not None:
             cmd += ["--max-num-seqs", str(c.worker_max_num_seqs)]
@@ -232,6 +236,7 @@ class Engine:
             cmd += ["--eagle-head", c.eagle_head]
         if c.device:
             cmd += ["--device", c.device]
+        cmd += c.worker_args  # last: where they name a flag set above, they win
         stderr = open(c.worker_log, "ab") if c.worker_log else None  # noqa: SIM115
         env = {**os.environ, **dict(c.worker_env)} if c.worker_env else None
         self.proc = subprocess.Popen(cmd, stderr=stderr, env=env)

@@ -64,11 +64,11 @@ class SchedulerConfig:
     # overlap (async) scheduling: the next step is sent before this one's output arrives, with
     # draft widths as caps and structured greedy requests' bitmasks deferred (StepBitmask);
     # None: from the worker's handshake, on when it leaves steps open (``resolve_mode``)
-    async_scheduling: bool | None = False
+    async_scheduling: bool | None = None
     # with overlap: the most steps sent whose output has not arrived (2: the next step is sent
     # before this one's output; 3: a worker with --pipeline-steps has the step after that too
     # while the scheduler commits); None: 3 for a worker that leaves steps open, else 2
-    max_steps_in_flight: int | None = 2
+    max_steps_in_flight: int | None = None
     # with overlap: two steps in flight while the worker drafts and the scheduler's turnaround
     # is short against a step (a draft model's), max_steps_in_flight otherwise (... auto)
     steps_in_flight_auto: bool = False
@@ -560,9 +560,12 @@ class Scheduler:
         # a request whose drafts are not back yet (overlap) verifies what the drafter finds
         # for it: its hit rate; one whose drafts are here verifies them
         hits = [self._hits(r) if r.pending_samples else 1.0 for r in decoding]
-        # overlap: a structured request whose last token is still being sampled gets its
-        # grammar rows in a later message (place_pending), and the step is timed apart
-        deferred = any(r.pending_samples and r.matcher is not None for r in decoding)
+        # overlap: a greedy structured request whose last token is still being sampled gets
+        # its grammar rows in a later message (place_pending), and the step is timed apart
+        deferred = any(
+            r.pending_samples and r.matcher is not None and r.sampling.temperature == 0
+            for r in decoding
+        )
         choice = self.tuner.choose(alphas, avail, hits, deferred)
         expect: dict[str, float] = {}
         if choice:

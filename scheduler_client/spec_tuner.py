@@ -325,6 +325,8 @@ class SpeculationTuner:
         # drafts the next step verifies (a measurement's second step: the step after a proposal
         # verifies it, whatever bucket its batch falls in), -1: the tuner's choice
         self._verify = -1
+        # the bucket whose measurement (propose, then verify as much) waits for its second step
+        self._holding: _Bucket | None = None
         self.reason = ""  # why ``propose`` chose its last width (hold, ends, explore, best)
         # the last ``best`` proposal: its width and the share of its requests expected to get
         # drafts (``choose`` verifies it when about that share has them); (0, 0.0): none
@@ -394,6 +396,12 @@ class SpeculationTuner:
             self.reason = "none"
             return 0
         bucket = self._bucket(len(caps), deferred)
+        if self._holding is not None and self._holding is not bucket:
+            # the measurement's second step fell in another bucket (the batch changed size, or
+            # a structured request's rows began to be deferred): it is given up, and its bucket
+            # measures anew when it decides next, where its hold fired on some later step
+            self._holding.hold = -1
+        self._holding = None
         bucket.decisions += 1
         self.decisions += 1
         if self._expected:
@@ -413,6 +421,7 @@ class SpeculationTuner:
         for width in (1, 1 + top):  # measure both ends first
             if width not in known:
                 bucket.hold = self._verify = width - 1
+                self._holding = bucket
                 self.reason = "ends"
                 return width - 1
         if self._off_stands(bucket, known):
@@ -471,6 +480,7 @@ class SpeculationTuner:
             bucket.explored_time = known[1 + k]
             bucket.explored_samples = 0 if fit is None else fit.n
             bucket.hold = self._verify = k
+            self._holding = bucket
             self.reason = "explore"
             return k
         self.reason = "best"

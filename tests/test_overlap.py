@@ -282,19 +282,14 @@ def test_the_scheduling_mode_left_to_the_worker_follows_its_handshake(tmp_path: 
     from protocol.options import load_toml
     from scheduler_client.engine_args import add_engine_args, engine_config
     from scheduler_client.scheduler import resolve_mode
+    from tests.test_spec_tuner import small_limits
     from worker.config import parse_args
 
     ap = argparse.ArgumentParser()
     add_engine_args(ap)
     left = engine_config(ap.parse_args(["--model", "m"]))
     assert (left.scheduler.async_scheduling, left.scheduler.max_steps_in_flight) == (None, None)
-    limits = WorkerLimits(
-        vocab_size=100,
-        eos_token_ids=(0,),
-        max_model_len=64,
-        max_num_speculative_tokens=4,
-        max_num_seqs=4,
-    )
+    limits = small_limits(4)
     piped = dataclasses.replace(limits, pipeline_steps=True)
 
     def mode(flags: list[str], worker: WorkerLimits) -> tuple[bool | None, int | None]:
@@ -320,6 +315,10 @@ def test_the_scheduling_mode_left_to_the_worker_follows_its_handshake(tmp_path: 
         "--dtype",
         "float16",
     )
+    with pytest.raises(ValueError, match="--worker-args applies to a launched worker"):
+        engine_config(ap.parse_args(["--worker", "ipc:///x", "--worker-args=--dtype=float16"]))
+    # the Python API leaves them to the worker as well: a CPU worker's (no open steps) is sync
+    assert resolve_mode(SchedulerConfig(), limits) == (False, 2)
     assert parse_args(["--model", "m"]).pipeline_steps is None
     assert parse_args(["--model", "m", "--pipeline-steps"]).pipeline_steps is True
     assert parse_args(["--model", "m", "--no-pipeline-steps"]).pipeline_steps is False

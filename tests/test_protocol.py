@@ -289,23 +289,32 @@ class WorkerReadyV3(WorkerReadyV1, tag="ready"):
     max_num_batched_tokens: int = 0
 
 
+def ready_both_ways(
+    old_type: type[msgspec.Struct], new: m.WorkerReady, minor: int
+) -> m.WorkerReady:
+    """An old scheduler (``old_type``: ``WorkerReady`` as protocol ``minor`` knew it) reads
+    every field it knows of a new worker's handshake ``new``; returns what a new scheduler reads
+    of an old worker's handshake of the same values."""
+    header = Codec().encode(new)[0]
+    _major, _minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
+    old = msgspec.msgpack.Decoder(old_type).decode(body)
+    for f in old_type.__struct_fields__:
+        assert getattr(old, f) == getattr(new, f), f
+    fields = [getattr(new, f) for f in old_type.__struct_fields__]
+    codec = Codec()
+    frames = codec.encode_versioned(old_type(*fields), m.PROTOCOL_MAJOR, minor)
+    got = codec.decode([bytes(f) for f in frames])
+    assert isinstance(got, m.WorkerReady)
+    return got
+
+
 def test_a_minor_3_scheduler_and_a_minor_4_worker_read_each_others_ready() -> None:
     """Minor 4 added ``num_kv_blocks`` and ``kv_block_size`` last: an old scheduler reads a new
     worker's handshake (the block fields are ignored), and a new scheduler reads an old worker's
     (both read 0: "the worker did not say")."""
     assert m.PROTOCOL_MINOR >= 4
     new = msgspec.structs.replace(ready_v2(), num_kv_blocks=384, kv_block_size=16)
-    header = Codec().encode(new)[0]
-    _major, _minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
-    old = msgspec.msgpack.Decoder(WorkerReadyV3).decode(body)
-    for f in WorkerReadyV3.__struct_fields__:
-        assert getattr(old, f) == getattr(new, f), f
-
-    fields = [getattr(new, f) for f in WorkerReadyV3.__struct_fields__]
-    codec = Codec()
-    frames = codec.encode_versioned(WorkerReadyV3(*fields), m.PROTOCOL_MAJOR, 3)
-    got = codec.decode([bytes(f) for f in frames])
-    assert isinstance(got, m.WorkerReady)
+    got = ready_both_ways(WorkerReadyV3, new, 3)
     assert got.max_num_batched_tokens == 999 and got.max_num_seqs == 24
     assert (got.num_kv_blocks, got.kv_block_size) == (0, 0)
 
@@ -325,17 +334,7 @@ def test_a_minor_6_scheduler_and_a_minor_7_worker_read_each_others_ready() -> No
     new = msgspec.structs.replace(
         ready_v2(), num_kv_blocks=384, kv_block_size=16, pipeline_steps=True
     )
-    header = Codec().encode(new)[0]
-    _major, _minor, body = msgspec.msgpack.decode(bytes(header), type=tuple[int, int, msgspec.Raw])
-    old = msgspec.msgpack.Decoder(WorkerReadyV6).decode(body)
-    for f in WorkerReadyV6.__struct_fields__:
-        assert getattr(old, f) == getattr(new, f), f
-
-    fields = [getattr(new, f) for f in WorkerReadyV6.__struct_fields__]
-    codec = Codec()
-    frames = codec.encode_versioned(WorkerReadyV6(*fields), m.PROTOCOL_MAJOR, 6)
-    got = codec.decode([bytes(f) for f in frames])
-    assert isinstance(got, m.WorkerReady)
+    got = ready_both_ways(WorkerReadyV6, new, 6)
     assert (got.num_kv_blocks, got.kv_block_size) == (384, 16)
     assert got.pipeline_steps is False
 

@@ -927,3 +927,17 @@ def test_steps_with_deferred_grammar_rows_do_not_price_a_plain_steps_widths() ->
     h100-s26). Timed apart, the plain requests draft nothing but re-measurements."""
     assert plain_steps_drafting(pooled=True) > 100  # the failure: timed together
     assert plain_steps_drafting(pooled=False) < 10
+
+
+def test_a_measurement_whose_second_step_falls_in_another_bucket_is_given_up() -> None:
+    """A measurement proposes, then verifies what it proposed in the next step. When that step
+    falls in another bucket (the batch changed size, or a structured request's rows began to be
+    deferred), the measurement is given up: its bucket measures anew when it decides next,
+    where its hold used to fire on some later step, verifying drafts nobody proposed for it."""
+    tuner = SpeculationTuner(4)
+    assert tuner.propose([0.5], [4], None, False) == 0 and tuner.reason == "ends"
+    tuner.propose([0.5], [4], None, True)  # the next step: rows deferred
+    tuner.propose([0.5], [4], None, False)
+    assert tuner.reason == "ends" and tuner._buckets[1].hold == 0  # measured anew
+    tuner.propose([0.5], [4], None, False)  # ... and its second step in the same bucket
+    assert tuner.reason == "hold"
