@@ -6,7 +6,7 @@
 
 For each drafter (none, ngram, eagle with ``--eagle-head``, ``embedded`` for the embedded SmolLM2)
 and each mode (sync, overlap = ``--async-scheduling``, pipelined = overlap and the worker's
-``--pipeline-steps``) a worker is launched with ``--max-num-seqs``
+``--pipeline-steps``, default = neither flag given: what the worker's handshake makes of it) a worker is launched with ``--max-num-seqs``
 the largest concurrency, and a ``specd-scheduler`` is connected to it (its caps come from the
 worker's handshake). The mixed workload (bench/workloads/mixed.jsonl: JSON, regex and choice
 constrained; bench/prompts.py: edit tasks and open chat, ``--max-tokens`` each, EOS ignored) is sent
@@ -178,8 +178,10 @@ def worker_cmd(
     a: argparse.Namespace, drafter: str, mode: str, addr: str, metrics_port: int
 ) -> list[str]:
     cmd = [sys.executable, "-m", "worker.daemon", "--model", a.model, "--listen", addr]
-    # each mode pins both flags: left unset, a CUDA worker pipelines and its scheduler overlaps
-    cmd += ["--pipeline-steps" if mode == "pipelined" else "--no-pipeline-steps"]
+    # each mode but "default" pins both flags: left unset, a CUDA worker pipelines and its
+    # scheduler overlaps with three steps in flight (a CPU worker: neither, and sync)
+    if mode != "default":
+        cmd += ["--pipeline-steps" if mode == "pipelined" else "--no-pipeline-steps"]
     cmd += ["--metrics-port", str(metrics_port)]
     cmd += ["--load-format", a.load_format, "--drafter", drafter, "--log-level", "WARNING"]
     cmd += ["--max-num-seqs", str(max(a.concurrencies)), "--max-model-len", str(a.max_model_len)]
@@ -217,8 +219,9 @@ def served(
         # --port 0: the scheduler binds a free port and names it in its "ready" line
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
-        overlap = mode in ("overlap", "pipelined")
-        sched_cmd += ["--async-scheduling" if overlap else "--no-async-scheduling"]
+        if mode != "default":
+            overlap = mode in ("overlap", "pipelined")
+            sched_cmd += ["--async-scheduling" if overlap else "--no-async-scheduling"]
         sched_cmd += shlex.split(a.scheduler_args)
         if a.log_dir:  # every step's sizes, widths and time (bench/step_trace.py reads it)
             trace = Path(a.log_dir) / f"trace-{drafter}-{mode}.jsonl"
@@ -455,7 +458,10 @@ def main() -> None:
     )
     ap.add_argument("--drafters", nargs="+", default=["none", "ngram", "eagle"])
     ap.add_argument(
-        "--modes", nargs="+", default=["sync", "overlap"], choices=("sync", "overlap", "pipelined")
+        "--modes",
+        nargs="+",
+        default=["sync", "overlap"],
+        choices=("sync", "overlap", "pipelined", "default"),
     )
     ap.add_argument("--eagle-head", default="embedded", help="with the eagle drafter")
     ap.add_argument(

@@ -528,14 +528,12 @@ class Engine:
         prefill = int(own[own > 1].sum())
         ran = out.num_draft_tokens
         width = 1 + (int(ran.max()) if len(ran) else 0)
+        # it carried deferred grammar rows (overlap): the worker could not leave it open, and
+        # the tuner times it apart
+        deferred = bool(len(sched.deferred_req_ids))
         if tuner is not None:
             tuner.observe_step(
-                len(counts),
-                width,
-                seconds,
-                sched.max_draft_proposals,
-                prefill,
-                deferred=bool(len(sched.deferred_req_ids)),
+                len(counts), width, seconds, sched.max_draft_proposals, prefill, deferred=deferred
             )
         if self._trace is not None:
             self._trace.write(
@@ -556,6 +554,7 @@ class Engine:
                         # proposed what it did after it (spec_tuner.py: hold, ends, explore, best)
                         "choice": self.scheduler.choices.get(sched.step_id, (-1, 0, 0, "")),
                         "queued": queued,
+                        "deferred": deferred,
                         # the tokens its verified drafts were expected to add (the tuner's
                         # model, before calibration; 0: none verified)
                         "predicted": round(

@@ -189,7 +189,26 @@ def test_overlap_steps_queue_behind_the_one_before_and_their_cycles_add_up(
         eng.close()
     trace = [json.loads(x) for x in trace_file.read_text().splitlines()]
     assert sum(x["queued"] for x in trace) > len(trace) // 2, trace
+    assert not any(x["deferred"] for x in trace)  # no structured request
     assert_cycles_add_up(trace)
+
+
+def test_the_step_trace_marks_steps_whose_grammar_rows_were_deferred(
+    target_dir: Path, tmp_path: Path
+) -> None:
+    """Overlap: the steps of a structured greedy request after its first carry its grammar rows
+    in a later message; the trace marks them (``deferred``), as the tuner times them apart."""
+    trace_file = tmp_path / "steps.jsonl"
+    eng = engine(target_dir, "none", async_scheduling=True, step_trace=str(trace_file))
+    try:
+        chat = [{"role": "user", "content": "json please"}]
+        body = {"messages": chat, "max_tokens": 40, "structured": {"json": SCHEMAS[0]}}
+        (r,) = eng.generate([body])
+        assert r.error is None, r.error
+    finally:
+        eng.close()
+    trace = [json.loads(x) for x in trace_file.read_text().splitlines()]
+    assert not trace[0]["deferred"] and sum(x["deferred"] for x in trace) >= len(trace) // 2
 
 
 def test_auto_steps_in_flight_is_lossless_and_keeps_two_while_the_worker_drafts(

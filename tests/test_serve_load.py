@@ -69,3 +69,26 @@ def test_the_eagle_rows_run_on_a_dummy_target_of_the_heads_shape() -> None:
     assert not head_fits(args("bench/configs/llama-135m"))  # its hidden size, not its vocabulary
     assert not head_fits(args("bench/configs/llama-1b"))
     assert head_fits(args("embedded:smollm2", "auto"))  # real weights: the head's own target
+
+
+def test_each_serve_bench_mode_pins_the_workers_open_steps_but_default() -> None:
+    """A CUDA worker leaves steps open unless told not to: the sync and overlap rows say
+    --no-pipeline-steps, the pipelined rows --pipeline-steps, and "default" neither."""
+    import argparse
+
+    from bench.serve_bench import worker_cmd
+
+    a = argparse.Namespace(
+        model="m", load_format="auto", concurrencies=[1, 8], max_model_len=512, k=4,
+        eagle_head="embedded", draft_model=None, compile=False, device=None, dtype=None,
+    )  # fmt: skip
+    flags = {
+        mode: {f for f in worker_cmd(a, "none", mode, "ipc:///x", 0) if "pipeline" in f}
+        for mode in ("sync", "overlap", "pipelined", "default")
+    }
+    assert flags == {
+        "sync": {"--no-pipeline-steps"},
+        "overlap": {"--no-pipeline-steps"},
+        "pipelined": {"--pipeline-steps"},
+        "default": set(),
+    }
