@@ -528,8 +528,8 @@ class Engine:
         prefill = int(own[own > 1].sum())
         ran = out.num_draft_tokens
         width = 1 + (int(ran.max()) if len(ran) else 0)
-        # it carried deferred grammar rows (overlap): the worker could not leave it open, and
-        # the tuner times it apart
+        # it carried deferred grammar rows (overlap): it waited for the scheduler's round trip,
+        # and the tuner times it apart
         deferred = bool(len(sched.deferred_req_ids))
         if tuner is not None:
             tuner.observe_step(

@@ -313,9 +313,10 @@ class SpeculationTuner:
         self.max_k = max_k
         self._buckets: dict[int, _Bucket] = {}
         # steps that carry grammar rows deferred to a later message (overlap scheduling, a
-        # structured greedy request): the worker cannot leave them open (``--pipeline-steps``),
-        # so without drafts they cost about what a drafting step does, where a plain step held
-        # open costs half that (SmolLM2 on an H100, c=1: 1.9-2.0 against 1.05 ms, h100-s26).
+        # structured greedy request): each waits for the scheduler's round trip, so without
+        # drafts they cost about what a drafting step does, where a plain step left open
+        # (``--pipeline-steps``) costs half that (SmolLM2 on an H100, c=1: 1.9-2.0 against 1.05
+        # ms, h100-s26, when they were not yet launched behind an open step).
         # Timed together, such steps were most of n-gram's no-drafts samples (it finds no
         # drafts for them), and the plain requests drafted at 0.82x no drafts.
         self._deferred: dict[int, _Bucket] = {}

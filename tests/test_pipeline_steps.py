@@ -342,8 +342,9 @@ def test_pipelined_worker_greedy_equals_target_greedy(pair: tuple[Engine, Engine
 def test_pipelined_worker_structured_and_sampled_equal_the_plain_one(
     pair: tuple[Engine, Engine, Path],
 ) -> None:
-    """Structured greedy requests (their rows deferred: the open step is finished first), seeded
-    sampled ones, and plain ones side by side: the same tokens with and without the flag."""
+    """Structured greedy requests (their rows deferred: the open step is answered when the step
+    behind it starts to wait for them), seeded sampled ones, and plain ones side by side: the
+    same tokens with and without the flag."""
     plain, piped, _ = pair
     ps = prompts(6)
     chat = [{"role": "user", "content": "json please"}]
@@ -414,6 +415,28 @@ def test_three_steps_in_flight_structured_greedy_equals_sync(
 ) -> None:
     check_structured_greedy(deep[0], deep[1])
     assert deep[1].num_worker_restarts == 0
+
+
+def test_a_step_waiting_for_deferred_rows_is_launched_behind_the_open_step(
+    deep: tuple[Engine, Engine, Path],
+) -> None:
+    """A structured greedy request's steps after its first wait for rows the scheduler builds
+    from the open step's tokens: the step is launched behind the open one all the same, and the
+    open step is answered just before it waits (its forward queued meanwhile). The output is
+    the sync engine's, with or without a drafter."""
+    sync, deep3, log = deep
+    chat = [{"role": "user", "content": "json please"}]
+    body = {"messages": chat, "max_tokens": 48, "structured": {"json": SCHEMAS[0]}}
+    before = worker_metric(log, "specd_worker_pipelined_steps_total")
+    rows = deep3.num_deferred_bitmasks
+    (want,) = sync.generate([dict(body)])
+    (got,) = deep3.generate([dict(body)])
+    assert got.error is None and got.output_ids == want.output_ids
+    deferred = deep3.num_deferred_bitmasks - rows
+    assert deferred >= len(got.output_ids) // 2, deferred
+    pipelined = worker_metric(log, "specd_worker_pipelined_steps_total") - before
+    if deep3.config.drafter == "none":  # (n-gram proposes after these steps: none left open)
+        assert pipelined >= deferred // 2, (pipelined, deferred)
 
 
 def test_steps_that_propose_no_drafts_are_left_open_with_a_drafter(

@@ -374,11 +374,20 @@ class WorkerLoop:
     def step(self, identity: bytes, sched: SchedulerOutput) -> None:
         """Launch the step; answer it at once, or (``--pipeline-steps``, a step with no drafts)
         leave it open until the next message or the end of its kernels. A step launched while
-        the one before is open is launched first: that one is answered right after."""
-        if sched.deferred_req_ids:
-            self.close_open_step()  # its rows wait for the scheduler to read the open step's tokens
+        the one before is open is launched first: that one is answered right after, or, where
+        the step waits for deferred grammar rows, before it waits (the scheduler builds them
+        from the open step's tokens), with this step's forward already queued behind it."""
         before, self.open_step = self.open_step, None
         t0 = time.perf_counter()
+
+        def answer_before_rows(step_id: int) -> StepBitmask:
+            nonlocal before
+            if before is not None:
+                opened, before = before, None
+                self.metrics.pipelined.inc()
+                self.answer(*opened)
+            return self.wait_bitmask(step_id)
+
         try:
             if self.last_step_id is not None and sched.step_id <= self.last_step_id:
                 raise StepError(
@@ -400,7 +409,7 @@ class WorkerLoop:
                     f"--max-num-batched-tokens {self.ready.max_num_batched_tokens}",
                     field="num_scheduled_tokens",
                 )
-            launched = self.runner.launch(sched, self.wait_bitmask, hold=self.pipeline)
+            launched = self.runner.launch(sched, answer_before_rows, hold=self.pipeline)
         except StepError as e:
             if before is not None:
                 self.answer(*before)
