@@ -33,7 +33,8 @@ PROTOCOL_MAJOR = 1
 #    scheduler of minor 6 or later)
 # 7: WorkerReady.pipeline_steps (the worker leaves steps without drafts open: a scheduler left to
 #    choose runs overlap scheduling with three steps in flight)
-PROTOCOL_MINOR = 7
+# 8: ModelRunnerOutput.held (the output went out after the next step was launched)
+PROTOCOL_MINOR = 8
 PROTOCOL_VERSION = (PROTOCOL_MAJOR, PROTOCOL_MINOR)
 
 # numpy arrays appear in Struct fields; msgspec sees them as a custom type that the codec handles.
@@ -176,6 +177,11 @@ class ModelRunnerOutput(_Msg, tag="out", frozen=True):
     or later in its hello; an older one waits for a ``DraftTokenIds`` after every output that
     sampled, and gets one. Without the message the scheduler clears the drafts of every request
     that sampled, as a message of zero widths would have.
+
+    ``held`` (minor 8): the worker left the step open and sent its output only after it had
+    launched the next step behind it (``--pipeline-steps``): the time from the output before to
+    this one holds part of the next step's, whose own comes short by as much. Sent to a
+    scheduler of minor 8 or later.
     """
 
     step_id: int
@@ -186,6 +192,7 @@ class ModelRunnerOutput(_Msg, tag="out", frozen=True):
     num_accepted: Array
     logprobs: Array | None = None
     drafts_follow: bool = True
+    held: bool = False  # minor 8
 
 
 class DraftTokenIds(_Msg, tag="drafts", frozen=True):

@@ -166,6 +166,9 @@ class Engine:
         # requests were left unfinished at the last output: the loop went straight on, so the
         # next step's time counts from that output (the cycle), not from its own send
         self._went_on = False
+        # the tuner's arguments for a step whose output the worker held until it had launched
+        # the next one (``ModelRunnerOutput.held``), and its cycle: timed with the next cycle
+        self._held: tuple[tuple[int, int, int, int, bool], float] | None = None
         # --max-steps-in-flight auto: moving averages of the time between outputs and of the
         # scheduler's turnaround (from a step's output and drafts in to the next step's send),
         # and when the last step's output and drafts were in (None: the turnaround is measured)
@@ -368,6 +371,7 @@ class Engine:
             result.output,
             now - (self._last_output_s if self._went_on else max(self._last_output_s, sent_s)),
             queued=sent_s < self._last_output_s,
+            cycle=self._went_on,
         )
         self._last_output_s = now
         failed = []
@@ -423,6 +427,7 @@ class Engine:
         """The worker is gone: a new one takes the requests over (``_recover``) while restarts
         remain; else every request fails and ``e`` is raised."""
         self._went_on = False  # the next step's time counts from its send
+        self._held = None
         self._ready_s = None  # a relaunch is no turnaround
         self.in_flight.clear()
         self._sent_s.clear()
@@ -506,7 +511,12 @@ class Engine:
                 self.num_deferred_bitmasks += 1
 
     def _observe(
-        self, sched: SchedulerOutput, out: ModelRunnerOutput, seconds: float, queued: bool = False
+        self,
+        sched: SchedulerOutput,
+        out: ModelRunnerOutput,
+        seconds: float,
+        queued: bool = False,
+        cycle: bool = True,
     ) -> None:
         """Feed the speculation tuner the cost of a step (``seconds``: the cycle from the output
         before, see ``_step``), at the width the worker ran: with overlap the step's widths are
@@ -519,7 +529,13 @@ class Engine:
         draft model served at 0.38x no drafts). With ``--step-trace`` the same figures, and the
         tuner's choice for the step, go to the trace as one JSON line (with or without a
         tuner); ``queued``: the step was sent before the output ahead of it came (overlap: it
-        waited behind that step in the worker; False after a drain, as after a drafting step)."""
+        waited behind that step in the worker; False after a drain, as after a drafting step).
+        A step whose output the worker held until it had launched the next one (``out.held``,
+        ``--pipeline-steps``) has a cycle that holds part of the next step's, whose own comes
+        short by as much (2.3 then 0.5 ms, h100-s26): it is timed by the mean of the two
+        (``cycle``: ``seconds`` is a cycle; False, counted from the step's send after an idle
+        spell, and a held step before it keeps its own). Timed by its own, a no-drafts
+        re-measurement among drafting steps read up to twice its cost."""
         tuner = self.scheduler.tuner
         counts = sched.num_scheduled_tokens
         if (tuner is None and self._trace is None) or not len(counts):
@@ -532,9 +548,16 @@ class Engine:
         # and the tuner times it apart
         deferred = bool(len(sched.deferred_req_ids))
         if tuner is not None:
-            tuner.observe_step(
-                len(counts), width, seconds, sched.max_draft_proposals, prefill, deferred=deferred
-            )
+            held, self._held = self._held, None
+            if held is not None:
+                (n, w, p, pre, d), before = held
+                tuner.observe_step(n, w, (before + seconds) / 2 if cycle else before, p, pre, d)
+            step = (len(counts), width, sched.max_draft_proposals, prefill, deferred)
+            if out.held:
+                self._held = (step, seconds)
+            else:
+                n, w, p, pre, d = step
+                tuner.observe_step(n, w, seconds, p, pre, d)
         if self._trace is not None:
             self._trace.write(
                 json.dumps(
@@ -555,6 +578,8 @@ class Engine:
                         "choice": self.scheduler.choices.get(sched.step_id, (-1, 0, 0, "")),
                         "queued": queued,
                         "deferred": deferred,
+                        # its output went out after the next step was launched (see above)
+                        "held": out.held,
                         # the tokens its verified drafts were expected to add (the tuner's
                         # model, before calibration; 0: none verified)
                         "predicted": round(

@@ -388,6 +388,7 @@ def deep(
             max_steps_in_flight=None,
             worker_args=flags,
             worker_log=str(log),
+            step_trace=str(log.parent / "trace.jsonl"),
         ),
     )
     yield sync, deep3, log
@@ -437,6 +438,10 @@ def test_a_step_waiting_for_deferred_rows_is_launched_behind_the_open_step(
     pipelined = worker_metric(log, "specd_worker_pipelined_steps_total") - before
     if deep3.config.drafter == "none":  # (n-gram proposes after these steps: none left open)
         assert pipelined >= deferred // 2, (pipelined, deferred)
+        # each step answered behind the next one says so, for the tuner's timing (protocol 1.8)
+        trace = (log.parent / "trace.jsonl").read_text().splitlines()
+        held = sum(json.loads(line)["held"] for line in trace)
+        assert 0 < held <= worker_metric(log, "specd_worker_pipelined_steps_total")
 
 
 def test_steps_that_propose_no_drafts_are_left_open_with_a_drafter(

@@ -399,8 +399,34 @@ def test_a_minor_6_scheduler_reads_a_minor_5_output_as_drafts_following() -> Non
     codec = Codec()
     frames = [bytes(f) for f in codec.encode(new)]
     major, _minor, body = msgspec.msgpack.decode(frames[0])
-    assert body[-1] is False  # the new field travels last
-    old = msgspec.msgpack.encode((major, 5, body[:-1]))  # as a minor-5 worker encodes it
+    at = 1 + m.ModelRunnerOutput.__struct_fields__.index("drafts_follow")  # after the tag
+    assert body[at] is False and len(body) == at + 2  # it came last, before minor 8's held
+    old = msgspec.msgpack.encode((major, 5, body[:at]))  # as a minor-5 worker encodes it
     got = codec.decode([old, *frames[1:]])
     assert isinstance(got, m.ModelRunnerOutput) and got.drafts_follow is True
     assert got.step_id == 3 and got.sampled_token_ids.tolist() == [7]
+
+
+def test_a_minor_7_scheduler_and_a_minor_8_worker_read_each_others_outputs() -> None:
+    """Minor 8 added ``ModelRunnerOutput.held`` last: an old scheduler reads a new worker's
+    output (the flag is ignored), and a new scheduler reads an old worker's as not held."""
+    new = m.ModelRunnerOutput(
+        step_id=4,
+        req_ids=["a"],
+        num_sampled=np.array([1], np.int32),
+        sampled_token_ids=np.array([9], np.int32),
+        num_draft_tokens=np.zeros(1, np.int32),
+        num_accepted=np.zeros(1, np.int32),
+        drafts_follow=False,
+        held=True,
+    )
+    codec = Codec()
+    frames = [bytes(f) for f in codec.encode(new)]
+    major, _minor, body = msgspec.msgpack.decode(frames[0])
+    assert body[-1] is True and body[-2] is False  # held travels last, after drafts_follow
+    assert len(body) == 1 + len(m.ModelRunnerOutput.__struct_fields__)
+    old = msgspec.msgpack.encode((major, 7, body[:-1]))  # as a minor-7 worker encodes it
+    got = codec.decode([old, *frames[1:]])
+    assert isinstance(got, m.ModelRunnerOutput) and got.held is False
+    assert got.drafts_follow is False and got.sampled_token_ids.tolist() == [9]
+    assert codec.decode(frames).held is True  # type: ignore[union-attr]

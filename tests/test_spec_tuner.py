@@ -275,7 +275,7 @@ def test_the_engine_counts_steps_with_prompt_chunks_for_the_tuner() -> None:
     """``Engine._observe`` passes a step with a new request and a prompt chunk to the tuner
     with its prefill tokens, at the width the worker ran."""
     tuner = SpeculationTuner(4)
-    engine = SimpleNamespace(scheduler=SimpleNamespace(tuner=tuner), _trace=None)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(tuner=tuner), _trace=None, _held=None)
     sched = SchedulerOutput(
         step_id=3,
         new_requests=[NewRequest("b", np.arange(3, 40, dtype=np.int32), SamplingParams(), 4)],
@@ -299,6 +299,40 @@ def test_the_engine_counts_steps_with_prompt_chunks_for_the_tuner() -> None:
     Engine._observe(engine, sched, out, 0.25)  # type: ignore[arg-type]
     fit = tuner._buckets[2].fits[3]
     assert (fit.n, fit.p, fit.t) == (1, 37.0, 0.25)
+
+
+def test_a_step_whose_output_was_held_is_timed_with_the_next_cycle() -> None:
+    """``--pipeline-steps``: the worker sends a step's output after it has launched the next
+    step (``held``), so that step's cycle is long and the next one short (2.3 then 0.5 ms,
+    h100-s26). A held no-drafts step is timed by the mean of the two, even where the next step
+    is a switch the tuner does not count; after an idle spell (a time from the step's send, not
+    a cycle) it keeps its own."""
+    tuner = SpeculationTuner(4)
+    engine = SimpleNamespace(scheduler=SimpleNamespace(tuner=tuner), _trace=None, _held=None)
+
+    def step(step_id: int, proposals: int) -> SchedulerOutput:
+        return SchedulerOutput(
+            step_id=step_id, new_requests=[], req_ids=["a"],
+            num_scheduled_tokens=np.array([1], np.int32), num_draft_tokens=np.zeros(1, np.int32),
+            draft_token_ids=np.zeros(0, np.int32), finished_req_ids=[], aborted_req_ids=[],
+            structured_req_ids=[], max_draft_proposals=proposals,
+        )  # fmt: skip
+
+    def out(step_id: int, held: bool) -> ModelRunnerOutput:
+        return ModelRunnerOutput(
+            step_id=step_id, req_ids=["a"], num_sampled=np.ones(1, np.int32),
+            sampled_token_ids=np.array([5], np.int32), num_draft_tokens=np.zeros(1, np.int32),
+            num_accepted=np.zeros(1, np.int32), held=held,
+        )  # fmt: skip
+
+    Engine._observe(engine, step(1, 0), out(1, True), 0.0023)  # type: ignore[arg-type]
+    assert 1 not in tuner._buckets  # waits for the next cycle
+    Engine._observe(engine, step(2, 4), out(2, False), 0.0005)  # type: ignore[arg-type]
+    fit = tuner._buckets[1].fits[1]  # the switch (proposed 4, verified none) is not counted
+    assert fit.n == 1 and fit.t == pytest.approx(0.0014)
+    Engine._observe(engine, step(3, 0), out(3, True), 0.0030)  # type: ignore[arg-type]
+    Engine._observe(engine, step(4, 0), out(4, False), 0.0020, cycle=False)  # type: ignore[arg-type]
+    assert tuner._buckets[1].fits[1].n == 3  # the held one at its own 3.0 ms, then 2.0
 
 
 def test_alpha_estimate_is_smoothed_toward_the_prior() -> None:

@@ -385,7 +385,7 @@ class WorkerLoop:
             if before is not None:
                 opened, before = before, None
                 self.metrics.pipelined.inc()
-                self.answer(*opened)
+                self.answer(*opened, held=True)
             return self.wait_bitmask(step_id)
 
         try:
@@ -431,7 +431,7 @@ class WorkerLoop:
         )
         if before is not None:
             self.metrics.pipelined.inc()
-            self.answer(*before)
+            self.answer(*before, held=True)
         self.last_step_id = sched.step_id
         if launched.open:
             self.open_step = running
@@ -439,14 +439,23 @@ class WorkerLoop:
             self.answer(*running)
 
     def answer(
-        self, identity: bytes, launched: LaunchedStep, t0: float, num_running: int, kv_free: int
+        self,
+        identity: bytes,
+        launched: LaunchedStep,
+        t0: float,
+        num_running: int,
+        kv_free: int,
+        held: bool = False,
     ) -> None:
         """A launched step finished: its refusals, its output, then its drafts. The output goes
         before the drafter runs, so the scheduler commits the step's tokens (detokenizes,
         streams, advances grammars) while the drafts are made; ``drafts_follow`` says whether a
-        ``DraftTokenIds`` comes after it. Its time counts from its launch or from the end of the
-        step before, whichever is later (steps overlap), to its drafts."""
+        ``DraftTokenIds`` comes after it; ``held`` (to a scheduler of minor 8 or later): it was
+        answered after the next step was launched behind it. Its time counts from its launch or
+        from the end of the step before, whichever is later (steps overlap), to its drafts."""
         out, rejected = self.runner.read_output(launched)
+        if held and self.peer_minor >= 8:
+            out = msgspec.structs.replace(out, held=True)
         # a step that proposes nothing sends no DraftTokenIds to a scheduler of protocol minor 6
         # or later: the scheduler clears its requests' drafts itself (at batch 64 the message
         # was an encode, a send, a decode and a loop a step)
