@@ -383,50 +383,51 @@ def test_a_minor_4_peer_and_a_minor_5_peer_read_each_others_steps() -> None:
     assert np.array_equal(got.num_scheduled_tokens, new.num_scheduled_tokens)
 
 
+def output_as_older(
+    new: m.ModelRunnerOutput, field: str, minor: int
+) -> tuple[list[bytes], list, m.ModelRunnerOutput]:
+    """``new``'s frames, its msgpack body, and what a new peer reads of the same output encoded
+    by a worker of ``minor``, whose ``ModelRunnerOutput`` ended before ``field``."""
+    codec = Codec()
+    frames = [bytes(f) for f in codec.encode(new)]
+    major, _minor, body = msgspec.msgpack.decode(frames[0])
+    assert len(body) == 1 + len(m.ModelRunnerOutput.__struct_fields__)  # the tag, every field
+    at = 1 + m.ModelRunnerOutput.__struct_fields__.index(field)
+    got = codec.decode([msgspec.msgpack.encode((major, minor, body[:at])), *frames[1:]])
+    assert isinstance(got, m.ModelRunnerOutput)
+    return frames, body, got
+
+
+def one_output(step_id: int, token: int, **kw: bool) -> m.ModelRunnerOutput:
+    return m.ModelRunnerOutput(
+        step_id=step_id,
+        req_ids=["a"],
+        num_sampled=np.array([1], np.int32),
+        sampled_token_ids=np.array([token], np.int32),
+        num_draft_tokens=np.zeros(1, np.int32),
+        num_accepted=np.zeros(1, np.int32),
+        **kw,
+    )
+
+
 def test_a_minor_6_scheduler_reads_a_minor_5_output_as_drafts_following() -> None:
     """Minor 6 added ``ModelRunnerOutput.drafts_follow`` last. An older worker's output has no such
     field: it reads as True, so the scheduler waits for the ``DraftTokenIds`` that worker sends
     after every output that samples (and an older scheduler ignores the field: old reads new)."""
-    new = m.ModelRunnerOutput(
-        step_id=3,
-        req_ids=["a"],
-        num_sampled=np.array([1], np.int32),
-        sampled_token_ids=np.array([7], np.int32),
-        num_draft_tokens=np.zeros(1, np.int32),
-        num_accepted=np.zeros(1, np.int32),
-        drafts_follow=False,
-    )
-    codec = Codec()
-    frames = [bytes(f) for f in codec.encode(new)]
-    major, _minor, body = msgspec.msgpack.decode(frames[0])
-    at = 1 + m.ModelRunnerOutput.__struct_fields__.index("drafts_follow")  # after the tag
-    assert body[at] is False and len(body) == at + 2  # it came last, before minor 8's held
-    old = msgspec.msgpack.encode((major, 5, body[:at]))  # as a minor-5 worker encodes it
-    got = codec.decode([old, *frames[1:]])
-    assert isinstance(got, m.ModelRunnerOutput) and got.drafts_follow is True
+    _, body, got = output_as_older(one_output(3, 7, drafts_follow=False), "drafts_follow", 5)
+    assert body[-2] is False  # it came last, before minor 8's held
+    assert got.drafts_follow is True
     assert got.step_id == 3 and got.sampled_token_ids.tolist() == [7]
 
 
 def test_a_minor_7_scheduler_and_a_minor_8_worker_read_each_others_outputs() -> None:
-    """Minor 8 added ``ModelRunnerOutput.held`` last: an old scheduler reads a new worker's
-    output (the flag is ignored), and a new scheduler reads an old worker's as not held."""
-    new = m.ModelRunnerOutput(
-        step_id=4,
-        req_ids=["a"],
-        num_sampled=np.array([1], np.int32),
-        sampled_token_ids=np.array([9], np.int32),
-        num_draft_tokens=np.zeros(1, np.int32),
-        num_accepted=np.zeros(1, np.int32),
-        drafts_follow=False,
-        held=True,
-    )
-    codec = Codec()
-    frames = [bytes(f) for f in codec.encode(new)]
-    major, _minor, body = msgspec.msgpack.decode(frames[0])
-    assert body[-1] is True and body[-2] is False  # held travels last, after drafts_follow
-    assert len(body) == 1 + len(m.ModelRunnerOutput.__struct_fields__)
-    old = msgspec.msgpack.encode((major, 7, body[:-1]))  # as a minor-7 worker encodes it
-    got = codec.decode([old, *frames[1:]])
-    assert isinstance(got, m.ModelRunnerOutput) and got.held is False
+    """Minor 8 added ``ModelRunnerOutput.held`` last: a new scheduler reads an old worker's
+    output as not held. (An old peer skips a trailing field it does not know, as the
+    ``WorkerReady`` tests above show for an array-like message; a worker sends ``held`` only to
+    a scheduler of minor 8 or later all the same.)"""
+    new = one_output(4, 9, drafts_follow=False, held=True)
+    frames, body, got = output_as_older(new, "held", 7)
+    assert body[-1] is True  # held travels last
+    assert got.held is False
     assert got.drafts_follow is False and got.sampled_token_ids.tolist() == [9]
-    assert codec.decode(frames).held is True  # type: ignore[union-attr]
+    assert Codec().decode(frames).held is True  # type: ignore[union-attr]
