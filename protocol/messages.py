@@ -180,8 +180,7 @@ class ModelRunnerOutput(_Msg, tag="out", frozen=True):
 
     ``held`` (minor 8): the worker left the step open and sent its output only after it had
     launched the next step behind it (``--pipeline-steps``): the time from the output before to
-    this one holds part of the next step's, whose own comes short by as much. Sent to a
-    scheduler of minor 8 or later.
+    this one holds part of the next step's, whose own comes short by as much.
     """
 
     step_id: int

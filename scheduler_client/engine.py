@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import json
 import logging
@@ -166,9 +167,10 @@ class Engine:
         # requests were left unfinished at the last output: the loop went straight on, so the
         # next step's time counts from that output (the cycle), not from its own send
         self._went_on = False
-        # the tuner's arguments for a step whose output the worker held until it had launched
-        # the next one (``ModelRunnerOutput.held``), and its cycle: timed with the next cycle
-        self._held: tuple[tuple[int, int, int, int, bool], float] | None = None
+        # a step whose output the worker held until it had launched the next one
+        # (``ModelRunnerOutput.held``): the tuner's observation of it, waiting for the next
+        # cycle, and its own cycle
+        self._held: tuple[Callable[..., None], float] | None = None
         # --max-steps-in-flight auto: moving averages of the time between outputs and of the
         # scheduler's turnaround (from a step's output and drafts in to the next step's send),
         # and when the last step's output and drafts were in (None: the turnaround is measured)
@@ -550,14 +552,20 @@ class Engine:
         if tuner is not None:
             held, self._held = self._held, None
             if held is not None:
-                (n, w, p, pre, d), before = held
-                tuner.observe_step(n, w, (before + seconds) / 2 if cycle else before, p, pre, d)
-            step = (len(counts), width, sched.max_draft_proposals, prefill, deferred)
+                observe_held, before = held
+                observe_held(seconds=(before + seconds) / 2 if cycle else before)
+            observe = functools.partial(
+                tuner.observe_step,
+                len(counts),
+                width,
+                proposals=sched.max_draft_proposals,
+                prefill_tokens=prefill,
+                deferred=deferred,
+            )
             if out.held:
-                self._held = (step, seconds)
+                self._held = (observe, seconds)
             else:
-                n, w, p, pre, d = step
-                tuner.observe_step(n, w, seconds, p, pre, d)
+                observe(seconds=seconds)
         if self._trace is not None:
             self._trace.write(
                 json.dumps(

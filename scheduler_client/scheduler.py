@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -160,12 +160,10 @@ class Scheduler:
         tokenizer: TokenizerInfo | None,
         grammar: GrammarBackend | None,
     ) -> None:
+        self.config = config
+        # the scheduling mode, the user's or the worker's (``resolve_mode``): read these, not the
+        # config's, which may say None
         self.async_scheduling, self.max_steps_in_flight = resolve_mode(config, limits)
-        self.config = config = replace(
-            config,
-            async_scheduling=self.async_scheduling,
-            max_steps_in_flight=self.max_steps_in_flight,
-        )
         self.limits = limits
         self.tokenizer = tokenizer
         self.grammar = grammar

@@ -311,15 +311,15 @@ class SpeculationTuner:
 
     def __init__(self, max_k: int) -> None:
         self.max_k = max_k
-        self._buckets: dict[int, _Bucket] = {}
-        # steps that carry grammar rows deferred to a later message (overlap scheduling, a
-        # structured greedy request): each waits for the scheduler's round trip, so without
+        # (batch bucket, deferred) -> its step times and choices; deferred: steps that carry
+        # grammar rows deferred to a later message (overlap scheduling, a structured greedy
+        # request), timed apart: each waits for the scheduler's round trip, so without
         # drafts they cost about what a drafting step does, where a plain step left open
         # (``--pipeline-steps``) costs half that (SmolLM2 on an H100, c=1: 1.9-2.0 against 1.05
         # ms, h100-s26, when they were not yet launched behind an open step).
         # Timed together, such steps were most of n-gram's no-drafts samples (it finds no
         # drafts for them), and the plain requests drafted at 0.82x no drafts.
-        self._deferred: dict[int, _Bucket] = {}
+        self._buckets: dict[tuple[int, bool], _Bucket] = {}
         # drafts judged and accepted over every request, decayed: the prior of a new request
         self._pool_judged = 0.0
         self._pool_accepted = 0.0
@@ -357,19 +357,17 @@ class SpeculationTuner:
         every width measured: what the choices are made from (``/metrics``). The bucket of
         steps with deferred grammar rows is named with a "d" ("8d")."""
         out = []
-        for suffix, family in (("", self._buckets), ("d", self._deferred)):
-            for b, bucket in list(family.items()):
-                fits = dict(bucket.fits)  # a scrape's thread: the engine's may add a width
-                for w, seconds in sorted(_Bucket(fits=fits).seconds.items()):
-                    if fits[w].n:  # a time borrowed from another batch size is not shown
-                        out.append((f"{b}{suffix}", w, seconds, fits[w].n))
+        for (b, deferred), bucket in sorted(self._buckets.items(), key=lambda kv: kv[0][1]):
+            fits = dict(bucket.fits)  # a scrape's thread: the engine's may add a width meanwhile
+            for w, seconds in sorted(_Bucket(fits=fits).seconds.items()):
+                if fits[w].n:  # a time borrowed from another batch size is not shown
+                    out.append((f"{b}d" if deferred else str(b), w, seconds, fits[w].n))
         return out
 
     def _bucket(self, num_reqs: int, deferred: bool) -> _Bucket:
         """The step times and choices of a batch of ``num_reqs`` requests, with or without
-        deferred grammar rows (``_deferred``)."""
-        family = self._deferred if deferred else self._buckets
-        return family.setdefault(batch_bucket(num_reqs), _Bucket())
+        deferred grammar rows."""
+        return self._buckets.setdefault((batch_bucket(num_reqs), deferred), _Bucket())
 
     def observe_judged(self, num_judged: int, num_accepted: int) -> None:
         """One request's step: drafts the target judged (accepted + the first rejected) and
@@ -390,7 +388,7 @@ class SpeculationTuner:
         step (those that sample; ``caps[i]``: a request's own width; ``hits[i]``: the share of
         the drafts asked for that the drafter finds for it, 1 if None), for the next step to
         verify. Zero when speculation does not pay: then the drafter does no work.
-        ``deferred``: the step carries deferred grammar rows (``_deferred``)."""
+        ``deferred``: the step carries deferred grammar rows (timed apart)."""
         top = min(self.max_k, max(caps, default=0))
         self._proposed = (0, 0.0)
         if top <= 0:
@@ -528,14 +526,13 @@ class SpeculationTuner:
         own = batch_bucket(num_reqs)
         near = sorted(
             (kind != deferred, abs(b.bit_length() - own.bit_length()), b, kind)
-            for kind, family in ((False, self._buckets), (True, self._deferred))
-            for b, other in family.items()
+            for (b, kind), other in self._buckets.items()
             if other is not bucket and {1, width} <= {w for w, f in other.fits.items() if f.n}
         )
         if not near:
             return
         *_, b, kind = near[0]
-        times = (self._deferred if kind else self._buckets)[b].seconds
+        times = self._buckets[b, kind].seconds
         bucket.set_fit(width, _Fit(t=bucket.seconds[1] * times[width] / times[1]))
 
     def choose(
@@ -678,7 +675,7 @@ class SpeculationTuner:
         state: it drafted what it verified, or verified some drafts and proposed more (a drafter
         that found fewer than asked). A step that verified drafts and proposed fewer, or
         proposed drafts it did not verify, is a switch between widths: its time belongs to
-        neither. ``deferred``: it carried deferred grammar rows (``_deferred``)."""
+        neither. ``deferred``: it carried deferred grammar rows (timed apart)."""
         k = width - 1
         if proposals >= 0 and not (proposals == k or 0 < k < proposals):
             return

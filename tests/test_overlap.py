@@ -104,7 +104,7 @@ def test_overlap_with_the_tuner_verifies_drafts(pair: tuple[Engine, Engine]) -> 
         assert drafted == 0
         return
     # both ends measured at batch 1: the tuner chooses, it is not stuck measuring
-    known = over.scheduler.tuner._buckets[1].seconds
+    known = over.scheduler.tuner._buckets[1, False].seconds
     assert 1 in known and 1 + over.config.num_speculative_tokens in known, known
     if over.config.drafter == "ngram":  # drafting costs nothing: it pays on these prompts
         assert drafted > 0, "overlap with the tuner verified no drafts"
@@ -324,7 +324,7 @@ def test_the_scheduling_mode_left_to_the_worker_follows_its_handshake(tmp_path: 
     s = Scheduler(
         SchedulerConfig(async_scheduling=None, max_steps_in_flight=None), piped, None, None
     )
-    assert (s.config.async_scheduling, s.config.max_steps_in_flight) == (True, 3)
+    assert (s.async_scheduling, s.max_steps_in_flight) == (True, 3)
     toml = tmp_path / "s.toml"
     toml.write_text("async-scheduling = false\n")
     assert load_toml(str(toml), ap)["async_scheduling"] is False

@@ -403,8 +403,8 @@ def test_three_steps_in_flight_greedy_equals_target_greedy(
     # a CPU worker leaves no step open unless told to, and says so in its handshake
     assert not sync.ready.pipeline_steps and not sync.overlap
     assert deep3.ready.pipeline_steps and deep3.overlap
-    cfg = deep3.scheduler.config
-    assert (cfg.async_scheduling, cfg.max_steps_in_flight) == (True, 3)
+    mode = deep3.scheduler.async_scheduling, deep3.scheduler.max_steps_in_flight
+    assert mode == (True, 3)
     check_greedy(deep3, 8)
     assert deep3.num_worker_restarts == 0
     if deep3.config.drafter == "none":

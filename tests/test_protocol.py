@@ -420,14 +420,32 @@ def test_a_minor_6_scheduler_reads_a_minor_5_output_as_drafts_following() -> Non
     assert got.step_id == 3 and got.sampled_token_ids.tolist() == [7]
 
 
+class OutputV7(msgspec.Struct, tag="out", array_like=True, gc=False):
+    """``ModelRunnerOutput`` as minors 6 and 7 knew it (no ``held``)."""
+
+    step_id: int
+    req_ids: list[str]
+    num_sampled: m.Array
+    sampled_token_ids: m.Array
+    num_draft_tokens: m.Array
+    num_accepted: m.Array
+    logprobs: m.Array | None = None
+    drafts_follow: bool = True
+
+
 def test_a_minor_7_scheduler_and_a_minor_8_worker_read_each_others_outputs() -> None:
-    """Minor 8 added ``ModelRunnerOutput.held`` last: a new scheduler reads an old worker's
-    output as not held. (An old peer skips a trailing field it does not know, as the
-    ``WorkerReady`` tests above show for an array-like message; a worker sends ``held`` only to
-    a scheduler of minor 8 or later all the same.)"""
+    """Minor 8 added ``ModelRunnerOutput.held`` last: an old scheduler reads a new worker's
+    output (the flag is skipped), and a new scheduler reads an old worker's as not held."""
     new = one_output(4, 9, drafts_follow=False, held=True)
     frames, body, got = output_as_older(new, "held", 7)
     assert body[-1] is True  # held travels last
     assert got.held is False
     assert got.drafts_follow is False and got.sampled_token_ids.tolist() == [9]
     assert Codec().decode(frames).held is True  # type: ignore[union-attr]
+    old = Codec()  # a minor-7 scheduler's decoder, arrays read as the codec reads them
+    old._decoder = msgspec.msgpack.Decoder(  # type: ignore[assignment]
+        OutputV7, ext_hook=old._ext_hook, dec_hook=old._dec_hook
+    )
+    read = old.decode(frames)
+    assert isinstance(read, OutputV7) and read.drafts_follow is False
+    assert read.step_id == 4 and read.sampled_token_ids.tolist() == [9]

@@ -107,12 +107,12 @@ def test_steps_switching_widths_are_not_measured() -> None:
     tuner = SpeculationTuner(4)
     tuner.observe_step(1, 5, 1.0, 0)  # verified 4, drafted none: cheaper than width 5 is
     tuner.observe_step(1, 1, 9.0, 4)  # verified none, drafted 4: dearer than width 1 is
-    assert 1 not in tuner._buckets
+    assert (1, False) not in tuner._buckets
     tuner.observe_step(1, 5, 2.0, 4)
     tuner.observe_step(1, 3, 1.5, 4)
     tuner.observe_step(1, 1, 1.0, 0)
     tuner.observe_step(1, 2, 1.2, -1)  # no proposal cap (the worker's own widths): counted
-    assert tuner._buckets[1].seconds == {5: 2.0, 3: 1.5, 1: 1.0, 2: 1.2}
+    assert tuner._buckets[1, False].seconds == {5: 2.0, 3: 1.5, 1: 1.0, 2: 1.2}
 
 
 def explorations(
@@ -138,10 +138,10 @@ def test_the_drafting_end_is_re_measured_and_verified() -> None:
     tuner = SpeculationTuner(4)
     flat = {w: 1.0 for w in range(1, 6)}
     settle(tuner, 1, flat, 0.3, draft_cost=0.5)
-    samples = tuner._buckets[1].fits[5].n
+    samples = tuner._buckets[1, False].fits[5].n
     seen = explorations(tuner, flat, 0.3, 1000, draft_cost=0.5)
     assert seen and all(k == 4 for _, k in seen), seen
-    assert tuner._buckets[1].fits[5].n == samples + len(seen)
+    assert tuner._buckets[1, False].fits[5].n == samples + len(seen)
 
 
 def test_re_measurements_that_confirm_the_choice_come_less_often() -> None:
@@ -153,7 +153,7 @@ def test_re_measurements_that_confirm_the_choice_come_less_often() -> None:
     tuner = SpeculationTuner(4)
     flat = {w: 1.0 for w in range(1, 6)}
     settle(tuner, 1, flat, 0.4, draft_cost=0.5)
-    bucket = tuner._buckets[1]
+    bucket = tuner._buckets[1, False]
     # width 5 takes 3 steps' time at 1.65 / 3 of the rate: 2 * 3 * 0.45 = 2.7 steps lost,
     # 270 decisions' wait; with one sample of it, 64
     assert tuner._explore_wait(bucket, tuner._rates(bucket.seconds, [0.4], [4], 4)) == EXPLORE_EVERY
@@ -174,7 +174,7 @@ def test_re_measurements_that_confirm_the_choice_come_less_often() -> None:
         k = tuner.choose([0.4], [avail])
         avail = tuner.propose([0.4], [4])
         tuner.observe_step(1, 1 + k, 1.0, avail)
-        waits.add(tuner._buckets[1].explore_every)
+        waits.add(tuner._buckets[1, False].explore_every)
     assert k > 0 and EXPLORE_EVERY in waits, waits
 
 
@@ -185,7 +185,7 @@ def test_a_drafter_that_loses_badly_is_re_measured_rarely() -> None:
     tuner = SpeculationTuner(4)
     flat = {w: 1.0 for w in range(1, 6)}
     settle(tuner, 64, flat, 0.4, draft_cost=5.0)
-    bucket = tuner._buckets[64]
+    bucket = tuner._buckets[64, False]
     bucket.fits[5].n = 7  # measured often enough to be trusted
     assert (
         tuner._explore_wait(bucket, tuner._rates(bucket.seconds, [0.4] * 64, [4] * 64, 4)) == 3870
@@ -240,7 +240,7 @@ def test_widths_measured_under_different_prefill_loads_are_compared_at_one_load(
         tuner.observe_step(8, 5, 1.5 + 0.01 * p, 4, p)
     for _ in range(30):
         tuner.observe_step(8, 1, 1.0, 0, 0)
-    bucket = tuner._buckets[8]
+    bucket = tuner._buckets[8, False]
     assert bucket.fits[5].t > 15 * bucket.fits[1].t
     times = bucket.seconds
     assert abs(times[5] - times[1] - 0.5) < 1e-6, times
@@ -266,7 +266,7 @@ def test_a_steps_premium_for_any_prompt_chunk_is_fitted_apart_from_its_tokens() 
     for _ in range(15):
         p = rng.randrange(100, 600) if rng.random() < 0.2 else 0
         tuner.observe_step(48, 5, cost(5, p), 4, p)
-    times = tuner._buckets[64].seconds
+    times = tuner._buckets[64, False].seconds
     assert times[1] == pytest.approx(3.0) and times[5] == pytest.approx(7.0), times
     assert tuner.choose([0.3] * 48, [4] * 48) == 0
 
@@ -297,7 +297,7 @@ def test_the_engine_counts_steps_with_prompt_chunks_for_the_tuner() -> None:
         num_accepted=np.array([1, 0], np.int32),
     )
     Engine._observe(engine, sched, out, 0.25)  # type: ignore[arg-type]
-    fit = tuner._buckets[2].fits[3]
+    fit = tuner._buckets[2, False].fits[3]
     assert (fit.n, fit.p, fit.t) == (1, 37.0, 0.25)
 
 
@@ -326,13 +326,13 @@ def test_a_step_whose_output_was_held_is_timed_with_the_next_cycle() -> None:
         )  # fmt: skip
 
     Engine._observe(engine, step(1, 0), out(1, True), 0.0023)  # type: ignore[arg-type]
-    assert 1 not in tuner._buckets  # waits for the next cycle
+    assert (1, False) not in tuner._buckets  # waits for the next cycle
     Engine._observe(engine, step(2, 4), out(2, False), 0.0005)  # type: ignore[arg-type]
-    fit = tuner._buckets[1].fits[1]  # the switch (proposed 4, verified none) is not counted
+    fit = tuner._buckets[1, False].fits[1]  # the switch (proposed 4, verified none) is not counted
     assert fit.n == 1 and fit.t == pytest.approx(0.0014)
     Engine._observe(engine, step(3, 0), out(3, True), 0.0030)  # type: ignore[arg-type]
     Engine._observe(engine, step(4, 0), out(4, False), 0.0020, cycle=False)  # type: ignore[arg-type]
-    assert tuner._buckets[1].fits[1].n == 3  # the held one at its own 3.0 ms, then 2.0
+    assert tuner._buckets[1, False].fits[1].n == 3  # the held one at its own 3.0 ms, then 2.0
 
 
 def test_alpha_estimate_is_smoothed_toward_the_prior() -> None:
@@ -415,7 +415,7 @@ def test_a_batch_size_borrows_its_drafting_cost_from_the_nearest_one_measured() 
         tuner.observe_step(32, 1, 0.5, p)
         proposals.append(p)
     assert proposals == [0] * 20
-    assert tuner._buckets[32].seconds[5] == 0.5 * 21.0
+    assert tuner._buckets[32, False].seconds[5] == 0.5 * 21.0
 
 
 def test_the_served_c64_cost_model_turns_a_losing_draft_model_off() -> None:
@@ -580,7 +580,7 @@ def test_a_buckets_times_follow_every_new_step() -> None:
     for _ in range(3):
         tuner.observe_step(1, 1, 0.002)
         tuner.observe_step(1, 5, 0.004)
-    bucket = tuner._buckets[1]
+    bucket = tuner._buckets[1, False]
     before = dict(bucket.seconds)
     assert bucket.seconds is bucket.seconds  # cached between changes
     tuner.observe_step(1, 5, 0.010)
@@ -905,7 +905,7 @@ def test_a_clear_choice_of_no_drafts_stands_without_weighing_every_step(
     tuner.observe_step(64, 1, 1.5, 0)  # the no-drafts end got dearer: anew at once
     assert tuner.propose(alphas, caps) == 0 and len(weighed) == 3
     assert tuner.propose(alphas, caps) == 0 and len(weighed) == 3  # stands
-    bucket = tuner._buckets[batch_bucket(64)]
+    bucket = tuner._buckets[batch_bucket(64), False]
     bucket.next_explore = bucket.decisions + 1  # a re-measurement falls due: it is made
     assert tuner.propose(alphas, caps) == 4 and tuner.reason == "explore"
     assert tuner.propose(alphas, caps) == 4 and tuner.reason == "hold"  # its second step
@@ -972,6 +972,6 @@ def test_a_measurement_whose_second_step_falls_in_another_bucket_is_given_up() -
     assert tuner.propose([0.5], [4], None, False) == 0 and tuner.reason == "ends"
     tuner.propose([0.5], [4], None, True)  # the next step: rows deferred
     tuner.propose([0.5], [4], None, False)
-    assert tuner.reason == "ends" and tuner._buckets[1].hold == 0  # measured anew
+    assert tuner.reason == "ends" and tuner._buckets[1, False].hold == 0  # measured anew
     tuner.propose([0.5], [4], None, False)  # ... and its second step in the same bucket
     assert tuner.reason == "hold"

@@ -560,5 +560,8 @@ def test_overlap_steps_with_deferred_grammar_rows_are_weighed_apart(
     p.add(request(tok, "p", None))
     assert p.schedule() is not None and p.schedule() is not None
     assert kinds == [False, True, False, False]
-    assert 1 in s.tuner._deferred and 1 in s.tuner._buckets  # both kinds of step proposed
-    assert 1 not in p.tuner._deferred
+    assert (1, True) in s.tuner._buckets and (
+        1,
+        False,
+    ) in s.tuner._buckets  # both kinds of step proposed
+    assert (1, True) not in p.tuner._buckets

@@ -450,11 +450,11 @@ class WorkerLoop:
         """A launched step finished: its refusals, its output, then its drafts. The output goes
         before the drafter runs, so the scheduler commits the step's tokens (detokenizes,
         streams, advances grammars) while the drafts are made; ``drafts_follow`` says whether a
-        ``DraftTokenIds`` comes after it; ``held`` (to a scheduler of minor 8 or later): it was
-        answered after the next step was launched behind it. Its time counts from its launch or
+        ``DraftTokenIds`` comes after it; ``held``: it was answered after the next step was
+        launched behind it (an older scheduler skips the field). Its time counts from its launch or
         from the end of the step before, whichever is later (steps overlap), to its drafts."""
         out, rejected = self.runner.read_output(launched)
-        if held and self.peer_minor >= 8:
+        if held:
             out = msgspec.structs.replace(out, held=True)
         # a step that proposes nothing sends no DraftTokenIds to a scheduler of protocol minor 6
         # or later: the scheduler clears its requests' drafts itself (at batch 64 the message
