@@ -27,6 +27,7 @@ from bench.engine_step_bench import print_profile
 from protocol.messages import DraftTokenIds, ModelRunnerOutput, SamplingParams
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
+from scheduler_client.spec_tuner import StepShape
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 B = 64
@@ -81,12 +82,9 @@ def loop(k: int, steps: int, overlap: bool, live: bool = False, profile: int = 0
             num_accepted=acc.astype(np.int32),
         )  # fmt: skip
         ended = s.update(out)
-        if s.tuner is not None and live:
-            width = 1 + int(ran.max(initial=0))
-            own = sched.num_scheduled_tokens - ran
-            s.tuner.observe_step(
-                len(ids), width, 1e-3 * width, sched.max_draft_proposals, int(own[own > 1].sum())
-            )
+        if s.tuner is not None and live:  # as the engine feeds it (Engine._observe)
+            shape = StepShape.of(sched, out)
+            s.tuner.observe_shape(shape, 1e-3 * shape.width)
         k_next = max(sched.max_draft_proposals, 0) if k else 0
         drafting += bool(k_next)
         if sampling and k_next:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import functools
 import itertools
 import json
 import logging
@@ -38,6 +37,7 @@ from scheduler_client.prom import SchedulerMetrics
 from scheduler_client.request import Request
 from scheduler_client.restart_budget import RestartBudget
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
+from scheduler_client.spec_tuner import StepShape
 from scheduler_client.step_blame import blame
 from scheduler_client.step_faults import refuse_step
 from scheduler_client.tokenizer import TokenizerInfo
@@ -170,7 +170,7 @@ class Engine:
         # a step whose output the worker held until it had launched the next one
         # (``ModelRunnerOutput.held``): the tuner's observation of it, waiting for the next
         # cycle, and its own cycle
-        self._held: tuple[Callable[..., None], float] | None = None
+        self._held: tuple[StepShape, float] | None = None
         # --max-steps-in-flight auto: moving averages of the time between outputs and of the
         # scheduler's turnaround (from a step's output and drafts in to the next step's send),
         # and when the last step's output and drafts were in (None: the turnaround is measured)
@@ -542,30 +542,17 @@ class Engine:
         counts = sched.num_scheduled_tokens
         if (tuner is None and self._trace is None) or not len(counts):
             return
-        own = counts - sched.num_draft_tokens  # each request's tokens other than its drafts
-        prefill = int(own[own > 1].sum())
-        ran = out.num_draft_tokens
-        width = 1 + (int(ran.max()) if len(ran) else 0)
-        # it carried deferred grammar rows (overlap): it waited for the scheduler's round trip,
-        # and the tuner times it apart
-        deferred = bool(len(sched.deferred_req_ids))
+        # (a step with deferred grammar rows waited for the scheduler's round trip: timed apart)
+        shape = StepShape.of(sched, out)
         if tuner is not None:
             held, self._held = self._held, None
             if held is not None:
-                observe_held, before = held
-                observe_held(seconds=(before + seconds) / 2 if cycle else before)
-            observe = functools.partial(
-                tuner.observe_step,
-                len(counts),
-                width,
-                proposals=sched.max_draft_proposals,
-                prefill_tokens=prefill,
-                deferred=deferred,
-            )
+                held_shape, before = held
+                tuner.observe_shape(held_shape, (before + seconds) / 2 if cycle else before)
             if out.held:
-                self._held = (observe, seconds)
+                self._held = (shape, seconds)
             else:
-                observe(seconds=seconds)
+                tuner.observe_shape(shape, seconds)
         if self._trace is not None:
             self._trace.write(
                 json.dumps(
@@ -574,18 +561,18 @@ class Engine:
                         "step": sched.step_id,
                         "reqs": len(counts),
                         "cap": int(sched.num_draft_tokens.max()),
-                        "width": width,
+                        "width": shape.width,
                         "proposals": sched.max_draft_proposals,
-                        "prefill": prefill,
+                        "prefill": shape.prefill_tokens,
                         "ms": round(seconds * 1e3, 3),
-                        "drafts": int(ran.sum()),
+                        "drafts": int(out.num_draft_tokens.sum()),
                         "accepted": int(out.num_accepted.sum()),
                         # the tuner's verify width for it (-1: none made), the decoding
                         # requests with drafts to verify, all decoding requests, and why it
                         # proposed what it did after it (spec_tuner.py: hold, ends, explore, best)
                         "choice": self.scheduler.choices.get(sched.step_id, (-1, 0, 0, "")),
                         "queued": queued,
-                        "deferred": deferred,
+                        "deferred": shape.deferred,
                         # its output went out after the next step was launched (see above)
                         "held": out.held,
                         # the tokens its verified drafts were expected to add (the tuner's

@@ -45,8 +45,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
+
+from protocol.messages import ModelRunnerOutput, SchedulerOutput
 
 PRIOR_ALPHA = 0.5  # before any request has history
 PRIOR_WEIGHT = 2.0  # a request's prior, worth this many judged drafts: the drafter's recent
@@ -88,6 +91,28 @@ FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of
 # expected to get drafts got them (else the few found are weighed anew: a wide step for them;
 # with overlap a request whose drafts are not back yet counts as having them, and the worker
 # verifies only what it proposed)
+
+
+class StepShape(NamedTuple):
+    """What the tuner files a step's time under (``SpeculationTuner.observe_step``)."""
+
+    num_reqs: int
+    width: int  # 1 + the most drafts a request ran (with overlap the step's widths are caps)
+    proposals: int  # the most drafts the worker proposed after it (-1: not capped)
+    prefill_tokens: int  # its requests' tokens other than drafts, of those running more than one
+    deferred: bool  # it carried grammar rows deferred to a later message (overlap)
+
+    @classmethod
+    def of(cls, sched: SchedulerOutput, out: ModelRunnerOutput) -> StepShape:
+        own = sched.num_scheduled_tokens - sched.num_draft_tokens
+        ran = out.num_draft_tokens
+        return cls(
+            len(sched.num_scheduled_tokens),
+            1 + (int(ran.max()) if len(ran) else 0),
+            sched.max_draft_proposals,
+            int(own[own > 1].sum()),
+            bool(len(sched.deferred_req_ids)),
+        )
 
 
 def batch_bucket(num_reqs: int) -> int:
@@ -681,6 +706,17 @@ class SpeculationTuner:
             return
         bucket = self._bucket(num_reqs, deferred)
         bucket.observe(width, prefill_tokens, seconds)
+
+    def observe_shape(self, shape: StepShape, seconds: float) -> None:
+        """``observe_step`` of a step of this shape."""
+        self.observe_step(
+            shape.num_reqs,
+            shape.width,
+            seconds,
+            shape.proposals,
+            shape.prefill_tokens,
+            shape.deferred,
+        )
 
     @staticmethod
     def _time(known: dict[int, float], width: int) -> float:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from protocol.messages import DraftTokenIds, NewRequest, SamplingParams, SchedulerOutput
-from scheduler_client.spec_tuner import SpeculationTuner
+from scheduler_client.spec_tuner import SpeculationTuner, StepShape
 from worker.runner import ModelRunner
 
 
@@ -112,15 +112,7 @@ def run(
         t0 = time.perf_counter()
         out, rejected = runner.execute(sched)
         if tuner is not None and counts:  # as the engine feeds it (Engine._observe)
-            prefill = sum(c - w for c, w in zip(counts, widths, strict=True) if c - w > 1)
-            ran = out.num_draft_tokens
-            tuner.observe_step(
-                len(counts),
-                1 + (int(ran.max()) if len(ran) else 0),
-                time.perf_counter() - t0,
-                sched.max_draft_proposals,
-                prefill,
-            )
+            tuner.observe_shape(StepShape.of(sched, out), time.perf_counter() - t0)
         assert not rejected, rejected
         if step_log is not None:
             prefill = any(c - w > 1 for c, w in zip(counts, widths, strict=True)) or bool(new)
