@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -143,3 +145,43 @@ def test_cuda_fp32_eagle_drafting_graphs_replay_what_runs_eagerly() -> None:
     torch.backends.cudnn.allow_tf32 = False
     replayed, eager = drafting_logs("cuda", [(True, True, True), (True, False, True)])
     assert replayed == eager
+
+
+@pytest.mark.parametrize("drafter", ["none", "ngram"])
+def test_cuda_served_worker_left_to_its_defaults_stays_greedy(
+    drafter: str, target_dir: Path, tmp_path: Path
+) -> None:
+    """A launched CUDA worker and a scheduler given no mode flags (the served path's defaults;
+    float32 for the comparison): the worker's handshake says it leaves steps open, the scheduler
+    runs overlap with three steps in flight, steps are pipelined, chats equal target-only greedy
+    and structured greedy requests the sync CPU engine's."""
+    from tests.test_overlap import check_greedy, check_structured_greedy
+    from tests.test_pipeline_steps import worker_metric
+    from tests.test_scheduler_e2e import engine, started_together
+
+    log = tmp_path / "worker.log"
+    flags = ("--dtype", "float32", "--metrics-port", "-1")
+    sync, served = started_together(
+        lambda: engine(target_dir, drafter),
+        lambda: engine(
+            target_dir,
+            drafter,
+            async_scheduling=None,
+            max_steps_in_flight=None,
+            device="cuda",
+            worker_args=flags,
+            worker_log=str(log),
+        ),
+    )
+    try:
+        assert served.ready.pipeline_steps and served.overlap
+        mode = served.scheduler.async_scheduling, served.scheduler.max_steps_in_flight
+        assert mode == (True, 3)
+        check_greedy(served, 8)
+        check_structured_greedy(sync, served)
+        assert served.num_worker_restarts == 0
+        if drafter == "none":  # n-gram's steps are left open only where it proposes nothing
+            assert worker_metric(log, "specd_worker_pipelined_steps_total") > 0
+    finally:
+        sync.close()
+        served.close()

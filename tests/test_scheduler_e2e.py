@@ -32,6 +32,7 @@ def engine(
     adaptive_speculation: bool = True,
     max_steps_in_flight: int | None = 2,
     steps_in_flight_auto: bool = False,
+    device: str = "cpu",
     **kw: object,
 ) -> Engine:
     return Engine(
@@ -40,7 +41,7 @@ def engine(
             drafter=drafter,
             draft_model=str(draft) if draft else None,
             num_speculative_tokens=4,
-            device="cpu",
+            device=device,
             max_model_len=384,
             worker_max_num_seqs=8,
             scheduler=SchedulerConfig(
