@@ -16,7 +16,7 @@ from typing import Any
 from protocol.transport import TransportConfig, keygen
 from scheduler_client.bench_serve import main_bench_serve
 from scheduler_client.engine import Engine
-from scheduler_client.engine_args import add_engine_args, engine_config
+from scheduler_client.engine_args import add_engine_args, engine_config, glue_worker_args
 from scheduler_client.request import Request
 from scheduler_client.worker_client import HandshakeError, WorkerClient, WorkerDied
 
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     health.add_argument("--curve-server-public", default=None)
     demo = sub.add_parser("demo", help="the `make run` demo on the embedded model")
     add_engine_args(demo)
-    a = ap.parse_args(argv)
+    a = ap.parse_args(glue_worker_args(argv))
 
     if a.cmd == "health":
         return _health(a)

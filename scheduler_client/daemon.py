@@ -27,7 +27,7 @@ from prometheus_client import generate_latest
 from protocol.gc_heap import freeze_heap
 from protocol.options import add_log_args, parse_with_config, setup_logging
 from scheduler_client.engine import Engine, EngineConfig
-from scheduler_client.engine_args import add_engine_args, engine_config
+from scheduler_client.engine_args import add_engine_args, engine_config, glue_worker_args
 from scheduler_client.engine_loop import EngineLoop
 from scheduler_client.grammar import set_grammar_threads
 from scheduler_client.http.api_server import ApiServerProcess
@@ -231,7 +231,7 @@ def parse_args(argv: list[str] | None) -> ServeConfig:
     add_limit_args(ap)
     add_engine_args(ap)
     add_log_args(ap)
-    a = parse_with_config(ap, argv)
+    a = parse_with_config(ap, glue_worker_args(argv))
     return ServeConfig(
         # the scheduler's Prometheus port (--metrics-port) listens where the HTTP door does
         engine=dataclasses.replace(engine_config(a), metrics_host=a.host),
@@ -409,14 +409,20 @@ def serve(cfg: ServeConfig, api_key: str | None, loops: list[EngineLoop]) -> int
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    sched = loops[0].engine.scheduler
     log.info(
-        "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s), %d objects frozen)",
+        "ready: http://%s:%d (model %s, drafter %s, k=%d, %d worker(s), %s, %d objects frozen)",
         host,
         port,
         model,
         ready.drafter,
         ready.max_num_speculative_tokens,
         len(loops),
+        # the mode, chosen from the worker's handshake where the user left it
+        f"overlap with {sched.max_steps_in_flight} steps in flight"
+        + (", the worker's steps left open" if ready.pipeline_steps else "")
+        if sched.async_scheduling
+        else "sync",
         frozen,
     )
     try:

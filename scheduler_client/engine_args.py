@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
+from collections.abc import Sequence
 
 from protocol.transport import TransportConfig
 from scheduler_client.engine import EngineConfig
@@ -21,6 +23,23 @@ def _steps_in_flight(value: str) -> int | str:
         raise argparse.ArgumentTypeError(
             f"expected a count (2..4) or auto, got {value!r}"
         ) from None
+
+
+def glue_worker_args(argv: Sequence[str] | None) -> list[str]:
+    """``argv`` (None: the command line's) with ``--worker-args VALUE`` as
+    ``--worker-args=VALUE``: argparse takes a lone flag given as the value
+    (``--worker-args --pipeline-steps``) for an option of its own and says the value is missing."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        if args[i] == "--worker-args" and i + 1 < len(args):
+            out.append(f"--worker-args={args[i + 1]}")
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:

@@ -334,6 +334,11 @@ def test_the_scheduling_mode_left_to_the_worker_follows_its_handshake(tmp_path: 
         "--dtype",
         "float16",
     )
+    # one flag as the value, after a space: argparse alone says --worker-args has no value
+    from scheduler_client.daemon import parse_args as serve_args
+
+    one = serve_args(["--model", "m", "--worker-args", "--pipeline-steps", "--port", "0"])
+    assert one.engine.worker_args == ("--pipeline-steps",) and one.port == 0
     with pytest.raises(ValueError, match="--worker-args applies to a launched worker"):
         engine_config(ap.parse_args(["--worker", "ipc:///x", "--worker-args=--dtype=float16"]))
     # the Python API leaves them to the worker as well: a CPU worker's (no open steps) is sync

@@ -477,7 +477,20 @@ def test_64_streams_survive_a_kill_9_of_their_worker(tmp_path: Path, model: Path
     """The issue's "Worker loss" check: kill -9 of the worker under 64 concurrent streaming
     greedy requests; every one completes with the output of an undisturbed run, and /health
     answers 503 "recovering" while the worker is relaunched and the streams replayed."""
-    with watched_daemon(tmp_path, model, "--max-num-seqs", "64") as (d, watch):
+    check_streams_survive_a_kill_9(tmp_path, model)
+
+
+def test_64_streams_survive_a_kill_9_of_a_pipelining_worker(tmp_path: Path, model: Path) -> None:
+    """The same under a CUDA worker's defaults: the worker leaves steps open and the scheduler,
+    left to choose, keeps three steps in flight (overlap), so the kill finds an open step and
+    steps sent but not run."""
+    mode = check_streams_survive_a_kill_9(tmp_path, model, "--worker-args", "--pipeline-steps")
+    assert "overlap with 3 steps in flight, the worker's steps left open" in mode, mode
+
+
+def check_streams_survive_a_kill_9(tmp_path: Path, model: Path, *flags: str) -> str:
+    """The check, on a daemon given ``flags`` as well; returns its ready line."""
+    with watched_daemon(tmp_path, model, "--max-num-seqs", "64", *flags) as (d, watch):
         bodies = [
             {"prompt": p, "max_tokens": 80, "ignore_eos": True, "temperature": 0}
             for p in tie_free_prompts(model, 64, 80)
@@ -503,6 +516,7 @@ def test_64_streams_survive_a_kill_9_of_their_worker(tmp_path: Path, model: Path
         assert restarts(d) == 1
         assert (503, "recovering") in watch.seen and watch.seen[-1] == (200, "ok"), watch.seen
         assert any(m.startswith("worker lost (") for m in log_messages(d.log))
+        return next(m for m in log_messages(d.log) if m.startswith("ready: "))
 
 
 def test_a_failure_while_committing_one_request_ends_it_alone(model: Path) -> None:
