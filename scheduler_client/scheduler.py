@@ -33,7 +33,7 @@ from scheduler_client.kv_blocks import KVBlocks
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
 from scheduler_client.request_checks import request_problem
-from scheduler_client.spec_tuner import SpeculationTuner
+from scheduler_client.spec_tuner import PLAIN_RUN, SpeculationTuner
 from scheduler_client.stop_strings import StopStrings
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
 
@@ -202,7 +202,11 @@ class Scheduler:
         self.predicted: dict[int, dict[str, float]] = {}
         self.on_finish: Callable[[Request], None] | None = None  # e.g. Prometheus counters
         self.tuner = (
-            SpeculationTuner(limits.max_num_speculative_tokens)
+            SpeculationTuner(
+                limits.max_num_speculative_tokens,
+                # a worker that leaves steps open does so only for steps sent ahead (overlap)
+                PLAIN_RUN if limits.pipeline_steps and self.async_scheduling else 1,
+            )
             if config.adaptive_speculation and limits.max_num_speculative_tokens
             else None
         )

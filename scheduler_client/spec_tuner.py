@@ -87,6 +87,12 @@ OFF_FOR = 8  # ... and the widths are weighed once in this many decisions (of an
 # every step cost the scheduler about 0.1 ms a step at c=64, h200-s25), unless a re-measurement
 # falls due or a width's time moved since by more than keeps the margin (OFF_MARGIN / (2 +
 # OFF_MARGIN): no drafts dearer and a width cheaper by that much still leave no drafts ahead)
+PLAIN_RUN = 8  # with a worker that leaves steps without drafts open (``--pipeline-steps``, in
+# overlap), the no-drafts end is measured over this many steps in a row, and a step without drafts
+# counts only after another: the first after a drafting step is laid out once that step is
+# finished, so the GPU waits for it as it would without open steps. Measured one step at a time,
+# a 1B target's no-drafts end was 1.91 ms at batch 1 where a run of them cost 1.40 a step, and its
+# dummy draft model kept drafting at 0.92x no drafts at c=64 (h100-s27)
 FOLLOW_SHARE = 0.5  # ``choose`` verifies a proposal when at least this share of the requests
 # expected to get drafts got them (else the few found are weighed anew: a wide step for them;
 # with overlap a request whose drafts are not back yet counts as having them, and the worker
@@ -218,6 +224,7 @@ class _Bucket:
     fits: dict[int, _Fit] = field(default_factory=dict)  # width (1 + K) -> its step time
     decisions: int = 0
     hold: int = -1  # a proposal width to repeat for one more step (measuring it), -1: none
+    run: int = 0  # ... and, for no drafts (``PLAIN_RUN``), for this many more after that
     explore_every: int = EXPLORE_EVERY
     next_explore: int = -1  # the decision count of the next re-measurement (-1: not set)
     explored_from: int = -1  # the choice before the re-measurement now under way, -1: none
@@ -334,8 +341,12 @@ class _Bucket:
 class SpeculationTuner:
     """Owned by the scheduler: ``choose`` before a step, ``observe_step`` after it."""
 
-    def __init__(self, max_k: int) -> None:
+    def __init__(self, max_k: int, plain_run: int = 1) -> None:
         self.max_k = max_k
+        # steps in a row that measure the no-drafts end (``PLAIN_RUN`` for a worker that leaves
+        # steps open in overlap; 1: one step, and every step without drafts counts)
+        self.plain_run = plain_run
+        self._after_plain = False  # the last step observed verified and proposed no drafts
         # (batch bucket, deferred) -> its step times and choices; deferred: steps that carry
         # grammar rows deferred to a later message (overlap scheduling, a structured greedy
         # request), timed apart: each waits for the scheduler's round trip, so without
@@ -425,6 +436,7 @@ class SpeculationTuner:
             # a structured request's rows began to be deferred): it is given up, and its bucket
             # measures anew when it decides next, where its hold fired on some later step
             self._holding.hold = -1
+            self._holding.run = 0
         self._holding = None
         bucket.decisions += 1
         self.decisions += 1
@@ -433,7 +445,12 @@ class SpeculationTuner:
             self._made *= CALIBRATION_FADE
             self._calibrate()
         if bucket.hold >= 0:  # the second step of a measurement: propose, then verify as much
-            k, bucket.hold = bucket.hold, -1
+            k = bucket.hold
+            if k == 0 and bucket.run > 0:  # a run of steps without drafts (PLAIN_RUN)
+                bucket.run -= 1
+                self._holding = bucket
+            else:
+                bucket.hold = -1
             self.reason = "hold"
             return k
         known = bucket.seconds
@@ -445,6 +462,7 @@ class SpeculationTuner:
         for width in (1, 1 + top):  # measure both ends first
             if width not in known:
                 bucket.hold = self._verify = width - 1
+                bucket.run = self.plain_run - 1 if width == 1 else 0
                 self._holding = bucket
                 self.reason = "ends"
                 return width - 1
@@ -504,6 +522,7 @@ class SpeculationTuner:
             bucket.explored_time = known[1 + k]
             bucket.explored_samples = 0 if fit is None else fit.n
             bucket.hold = self._verify = k
+            bucket.run = 0 if k else self.plain_run - 1
             self._holding = bucket
             self.reason = "explore"
             return k
@@ -700,9 +719,15 @@ class SpeculationTuner:
         state: it drafted what it verified, or verified some drafts and proposed more (a drafter
         that found fewer than asked). A step that verified drafts and proposed fewer, or
         proposed drafts it did not verify, is a switch between widths: its time belongs to
-        neither. ``deferred``: it carried deferred grammar rows (timed apart)."""
+        neither. ``deferred``: it carried deferred grammar rows (timed apart). With
+        ``plain_run`` above 1, a step without drafts after one with drafts is not counted
+        (``PLAIN_RUN``)."""
         k = width - 1
+        plain = k == 0 and proposals <= 0
+        after_plain, self._after_plain = self._after_plain, plain
         if proposals >= 0 and not (proposals == k or 0 < k < proposals):
+            return
+        if plain and self.plain_run > 1 and not after_plain:
             return
         bucket = self._bucket(num_reqs, deferred)
         bucket.observe(width, prefill_tokens, seconds)
