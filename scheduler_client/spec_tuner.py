@@ -249,9 +249,15 @@ class _Bucket:
 
     def observe(self, width: int, prefill: float, seconds: float) -> None:
         # a re-measurement is one step of a width seen rarely: it weighs half, so a cost that
-        # changed is followed within a few re-measurements
-        remeasured = self.explored_from >= 0 and width == self.explored_width
-        self.fits.setdefault(width, _Fit()).add(prefill, seconds, REMEASURE if remeasured else EMA)
+        # changed is followed within a few re-measurements (a run of them, PLAIN_RUN: its first
+        # step counted weighs half, the others as any step)
+        fit = self.fits.setdefault(width, _Fit())
+        remeasured = (
+            self.explored_from >= 0
+            and width == self.explored_width
+            and fit.n == self.explored_samples
+        )
+        fit.add(prefill, seconds, REMEASURE if remeasured else EMA)
         self._seconds = None
         self._due.add(width)
 
@@ -727,9 +733,12 @@ class SpeculationTuner:
         after_plain, self._after_plain = self._after_plain, plain
         if proposals >= 0 and not (proposals == k or 0 < k < proposals):
             return
-        if plain and self.plain_run > 1 and not after_plain:
-            return
         bucket = self._bucket(num_reqs, deferred)
+        first = bucket.fits.get(1)
+        if plain and self.plain_run > 1 and not after_plain and first is not None and first.n:
+            # the first measurement of a bucket's no-drafts end takes any such step: where
+            # batch sizes interleave, a run in one bucket may never come
+            return
         bucket.observe(width, prefill_tokens, seconds)
 
     def observe_shape(self, shape: StepShape, seconds: float) -> None:

@@ -464,3 +464,35 @@ def test_steps_that_propose_no_drafts_are_left_open_with_a_drafter(
         assert r.output_ids == greedy_reference(ref, p, 10 + i), r.req_id
     assert worker_metric(log, "specd_worker_pipelined_steps_total") > before
     assert deep3.num_worker_restarts == 0
+
+
+def test_nothing_is_proposed_for_a_request_its_step_ended() -> None:
+    """After the step that ends a request (its max_tokens, or a stop token: the scheduler
+    finishes it there), the drafter proposes nothing for it; a request that goes on still gets
+    drafts, and a step that ended every request it sampled sends no drafts message (the
+    scheduler waited for one before it scheduled the request taking the place: a draft model's
+    proposal of 4, h100-s27's draft-model rows)."""
+    from worker.drafters.ngram import NgramDrafter
+
+    prompt = [5, 6, 7, 8] * 4
+
+    def first_step(a: dict[str, object], b: dict[str, object] | None) -> list[int]:
+        r = ModelRunner(
+            ModelExecutor(tiny_model("llama", 11), max_num_seqs=2, max_model_len=MAX_LEN),
+            NgramDrafter(min_n=1, max_n=3, max_num_tokens=4),
+            max_num_seqs=2,
+            max_model_len=MAX_LEN,
+            max_num_draft_tokens=4,
+        )
+        reqs = [new("a", prompt, 4, **a)] + ([new("b", prompt, 4, **b)] if b else [])
+        step = r.launch(sched(1, {q.req_id: len(prompt) for q in reqs}, reqs))
+        out, _ = r.read_output(step)
+        assert step.plan is not None
+        widths = list(step.plan.widths)
+        assert r.will_propose(step) == any(widths)
+        return [int(out.sampled_token_ids[0]), *widths]
+
+    t, *goes_on = first_step({"max_tokens": 8}, None)
+    assert goes_on == [4]
+    assert first_step({"max_tokens": 1}, {"max_tokens": 8})[1:] == [0, 4]
+    assert first_step({"max_tokens": 8, "stop_token_ids": (t,)}, None)[1:] == [0]

@@ -1003,3 +1003,21 @@ def test_with_steps_left_open_the_no_drafts_end_is_timed_over_a_run() -> None:
     off but for its re-measurements."""
     assert draft_model_drafting(1) > 900  # the failure: one step at a time
     assert draft_model_drafting(PLAIN_RUN) < 100
+
+
+def test_a_no_drafts_end_is_measured_where_batch_sizes_interleave() -> None:
+    """Timed over a run (``PLAIN_RUN``), a bucket's no-drafts end still gets its first time from
+    any step without drafts: where batches of two sizes interleave (8, 8, 64, ...: requests
+    that sample around a bucket's edge under arrivals), a run in one bucket never comes, and the
+    bucket measured its no-drafts end on every other decision for good."""
+    tuner = SpeculationTuner(4, PLAIN_RUN)
+    avail, ends = 0, 0
+    for step in range(700):  # batch 64 alone first: it drafts, then the sizes interleave
+        n = 64 if step < 100 else (8, 8, 64)[step % 3]
+        k = tuner.choose([0.9] * n, [avail] * n)
+        p = tuner.propose([0.9] * n, [4] * n)
+        ends += n == 8 and tuner.reason == "ends"
+        tuner.observe_step(n, 1 + k, 1.0 + 0.05 * k, p, 0)
+        avail = p
+    assert tuner._buckets[8, False].fits[1].n > 0
+    assert ends < 10

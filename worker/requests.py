@@ -47,8 +47,10 @@ class RequestStates:
         max_model_len: int,
         max_num_draft_tokens: int,
         device: torch.device,
+        eos_token_ids: tuple[int, ...] = (),
     ) -> None:
         self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
         self.max_num_seqs = max_num_seqs
         self.max_model_len = max_model_len
         self.device = device
@@ -59,6 +61,12 @@ class RequestStates:
         self.num_computed = np.zeros(max_num_seqs, np.int64)
         self.num_speculative = np.zeros(max_num_seqs, np.int64)  # per-request k (0: off)
         self.structured = np.zeros(max_num_seqs, bool)
+        # where a request surely ends: its length at max_tokens (a replay's prompt holds its
+        # output too, so this is at or past the real end), and the tokens that end it (its stop
+        # ids and the model's end of sequence, which a request that ignores it runs past: it is
+        # then proposed nothing once, and its output is the same)
+        self.end_len = np.zeros(max_num_seqs, np.int64)
+        self.end_ids: list[frozenset[int]] = [frozenset()] * max_num_seqs
         self.sampling: list[SamplingState | None] = [None] * max_num_seqs
         # [slot, max_num_draft_tokens] drafts proposed after the last step, on the device
         self.draft_token_ids = torch.zeros(
@@ -150,6 +158,9 @@ class RequestStates:
         self.num_computed[slot] = 0
         self.num_speculative[slot] = req.num_speculative_tokens
         self.structured[slot] = req.structured
+        # (max_tokens may be up to 2**63; past the context its room decides)
+        self.end_len[slot] = min(n + s.max_tokens, self.max_model_len + 1)
+        self.end_ids[slot] = self.eos_token_ids.union(s.stop_token_ids)
         self.num_drafts[slot] = 0
         gen = None
         if s.seed is not None:

@@ -27,6 +27,7 @@ from worker.drafters.base import Drafter, NoDrafter
 from worker.grammar_rows import apply_grammar, plan_deferred, plan_grammar
 from worker.host_copy import HostCopy, to_device
 from worker.model_executor import ModelExecutor
+from worker.model_loader import eos_token_ids
 from worker.rejection import VerifyInput, verify, verify_greedy
 from worker.requests import RequestStates, SamplingState, WorkerRequestError
 from worker.spec_utils import get_drafter_hidden_states
@@ -105,6 +106,7 @@ class ModelRunner:
             max_model_len=max_model_len,
             max_num_draft_tokens=max_num_draft_tokens,
             device=self.device,
+            eos_token_ids=eos_token_ids(target.model),
         )
         self.limits = StepLimits(
             vocab_size=target.vocab_size, max_num_draft_tokens=max_num_draft_tokens
@@ -531,6 +533,15 @@ class ModelRunner:
         # and nothing is proposed for them: no DraftTokenIds follows
         if not left and slots and not isinstance(self.drafter, NoDrafter):
             room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
+            # no more than the scheduler verifies (its output one token short of max_tokens),
+            # and nothing for a request that this step ended (its length, a stop or
+            # end-of-sequence token): the scheduler would wait for drafts nobody verifies before
+            # it schedules the request that takes its place (a draft model's proposal, h100-s27)
+            room = np.minimum(room, np.maximum(st.end_len[slots] - lengths - 1, 0))
+            last = st.token_ids[slots, np.maximum(lengths, 1) - 1].tolist()
+            for j, slot in enumerate(slots):
+                if last[j] in st.end_ids[slot]:
+                    room[j] = 0
             widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
         return DraftPlan(slots, lengths, widths, left)
 
