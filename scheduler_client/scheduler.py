@@ -112,6 +112,12 @@ DRAFT_HITS_EMA = 0.25  # weight of a step in a request's draft hit rate (Request
 HITS_POOL_KEEP = 0.995  # the pooled hit rate's counts kept this much a request's ask
 
 
+def defers_rows(req: Request) -> bool:
+    """Overlap: placed while its last token is still being sampled, a greedy structured request
+    gets its grammar rows in a later message (``StepBitmask``); a sampled one is not placed."""
+    return req.matcher is not None and req.sampling.temperature == 0
+
+
 def resolve_mode(config: SchedulerConfig, limits: WorkerLimits) -> tuple[bool, int]:
     """(overlap scheduling, the most steps in flight): the user's, or where left unset (None)
     the worker's handshake's. A worker that leaves steps without drafts open (``--pipeline-steps``,
@@ -394,7 +400,7 @@ class Scheduler:
                     return False
                 w = min(w, blocks_room - 1)
             put(req, 1, w, placeholders(w), True)
-            if req.matcher is not None:
+            if defers_rows(req):  # (a sampled structured one was not placed)
                 deferred.append(req.req_id)
             return True
 
@@ -564,10 +570,7 @@ class Scheduler:
         hits = [self._hits(r) if r.pending_samples else 1.0 for r in decoding]
         # overlap: a greedy structured request whose last token is still being sampled gets
         # its grammar rows in a later message (place_pending), and the step is timed apart
-        deferred = any(
-            r.pending_samples and r.matcher is not None and r.sampling.temperature == 0
-            for r in decoding
-        )
+        deferred = any(r.pending_samples and defers_rows(r) for r in decoding)
         choice = self.tuner.choose(alphas, avail, hits, deferred)
         expect: dict[str, float] = {}
         if choice:

@@ -452,7 +452,7 @@ class SpeculationTuner:
             self._calibrate()
         if bucket.hold >= 0:  # the second step of a measurement: propose, then verify as much
             k = bucket.hold
-            if k == 0 and bucket.run > 0:  # a run of steps without drafts (PLAIN_RUN)
+            if bucket.run > 0:  # a run of steps without drafts (PLAIN_RUN)
                 bucket.run -= 1
                 self._holding = bucket
             else:
@@ -467,9 +467,7 @@ class SpeculationTuner:
             known = bucket.seconds
         for width in (1, 1 + top):  # measure both ends first
             if width not in known:
-                bucket.hold = self._verify = width - 1
-                bucket.run = self.plain_run - 1 if width == 1 else 0
-                self._holding = bucket
+                self._measure(bucket, width - 1)
                 self.reason = "ends"
                 return width - 1
         if self._off_stands(bucket, known):
@@ -527,9 +525,7 @@ class SpeculationTuner:
             bucket.explored_at = bucket.decisions
             bucket.explored_time = known[1 + k]
             bucket.explored_samples = 0 if fit is None else fit.n
-            bucket.hold = self._verify = k
-            bucket.run = 0 if k else self.plain_run - 1
-            self._holding = bucket
+            self._measure(bucket, k)
             self.reason = "explore"
             return k
         self.reason = "best"
@@ -541,6 +537,13 @@ class SpeculationTuner:
             got = able if hits is None else able * np.clip(np.asarray(hits, np.float64), 0, 1)
             self._proposed = (best_k, float(got.sum()) / len(caps))
         return best_k
+
+    def _measure(self, bucket: _Bucket, k: int) -> None:
+        """Start a measurement of width ``1 + k`` in ``bucket``: propose ``k`` now, then verify as
+        much (for no drafts, over ``plain_run`` steps)."""
+        bucket.hold = self._verify = k
+        bucket.run = 0 if k else self.plain_run - 1
+        self._holding = bucket
 
     def _off_stands(self, bucket: _Bucket, known: dict[int, float]) -> bool:
         """The bucket's last choice, no drafts by a clear margin, stands without weighing the

@@ -472,18 +472,10 @@ def test_nothing_is_proposed_for_a_request_its_step_ended() -> None:
     drafts, and a step that ended every request it sampled sends no drafts message (the
     scheduler waited for one before it scheduled the request taking the place: a draft model's
     proposal of 4, h100-s27's draft-model rows)."""
-    from worker.drafters.ngram import NgramDrafter
-
     prompt = [5, 6, 7, 8] * 4
 
     def first_step(a: dict[str, object], b: dict[str, object] | None) -> list[int]:
-        r = ModelRunner(
-            ModelExecutor(tiny_model("llama", 11), max_num_seqs=2, max_model_len=MAX_LEN),
-            NgramDrafter(min_n=1, max_n=3, max_num_tokens=4),
-            max_num_seqs=2,
-            max_model_len=MAX_LEN,
-            max_num_draft_tokens=4,
-        )
+        r, _ = drafting_runner("ngram", 11)
         reqs = [new("a", prompt, 4, **a)] + ([new("b", prompt, 4, **b)] if b else [])
         step = r.launch(sched(1, {q.req_id: len(prompt) for q in reqs}, reqs))
         out, _ = r.read_output(step)

@@ -983,16 +983,16 @@ def draft_model_drafting(plain_run: int) -> int:
     dummy draft model (acceptance about 0.97): a step drafting 4 costs 9.76 ms, one without drafts
     1.9 ms when the step before it had none either (it is launched behind that one, left open)
     and 3.04 ms after a drafting step. Returns how many of the last 1,000 steps verified drafts."""
-    tuner = SpeculationTuner(4, plain_run)
-    n, avail, drafting, before_plain = 64, 0, 0, False
-    for step in range(3000):
-        k = tuner.choose([0.97] * n, [avail] * n)
-        p = tuner.propose([0.97] * n, [4] * n)
+    before_plain = False
+
+    def seconds(k: int, p: int) -> float:
+        nonlocal before_plain
         t = 9.76 if k else 1.9 if before_plain else 3.04
-        tuner.observe_step(n, 1 + k, t, p, 0)
-        avail, before_plain = p, k == 0 and p == 0
-        drafting += step >= 2000 and k > 0
-    return drafting
+        before_plain = k == 0 and p == 0
+        return t
+
+    ks = drive(SpeculationTuner(4, plain_run), 64, 0.97, 3000, seconds)
+    return sum(k > 0 for k in ks[2000:])
 
 
 def test_with_steps_left_open_the_no_drafts_end_is_timed_over_a_run() -> None:
