@@ -181,6 +181,7 @@ class Engine:
         self._sent_s: dict[int, float] = {}
         self._sent_mono: dict[int, float] = {}  # step_id -> monotonic send time (health)
         self.num_deferred_bitmasks = 0
+        self._deferred_sent = -1  # the step whose deferred rows were sent last
         self._ids = itertools.count()
         self.started_s = time.monotonic()
         # Read by other threads (health): plain attributes, each set in one assignment.
@@ -381,7 +382,12 @@ class Engine:
             if err.req_id is not None:
                 sch.fail(err.req_id, f"worker refused the request: {err.message}")
                 failed.append(sch.requests[err.req_id])
-        done = sch.update(result.output)
+        # the next step's deferred grammar rows wait only for its structured requests' tokens:
+        # sent once those are committed, before the rest (detokenizing and streaming 64
+        # requests), where no drafts follow (the rows validate drafts that come after)
+        nxt = self.in_flight[0] if self.in_flight and not result.output.drafts_follow else None
+        first = set(nxt.deferred_req_ids) if nxt is not None else set()
+        done = sch.update(result.output, first, self._send_deferred if first else None)
         if self.on_commit is not None and result.output.drafts_follow:
             self.on_commit(failed + done)  # (without drafts to wait for, the step ends now)
         # the drafts come after the output: the worker drafts while the tokens are committed
@@ -505,8 +511,13 @@ class Engine:
         return ended
 
     def _send_deferred(self) -> None:
-        """The next step in flight waits for its deferred rows: send them now."""
-        if self.in_flight and self.in_flight[0].deferred_req_ids:
+        """The next step in flight waits for its deferred rows: send them now (once)."""
+        if (
+            self.in_flight
+            and len(self.in_flight[0].deferred_req_ids)
+            and self.in_flight[0].step_id != self._deferred_sent
+        ):
+            self._deferred_sent = self.in_flight[0].step_id
             # a death here is reported (and recovered from) by the next receive
             with contextlib.suppress(WorkerDied):
                 self.client.send_step(self.scheduler.deferred_bitmask(self.in_flight[0]))

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import numpy as np
@@ -597,8 +597,16 @@ class Scheduler:
         hits = [self._hits(r) for r in reqs]
         return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs], hits, deferred)
 
-    def update(self, out: ModelRunnerOutput) -> list[Request]:
-        """Commit the step's sampled tokens; returns the requests that finished."""
+    def update(
+        self,
+        out: ModelRunnerOutput,
+        first: Collection[str] = (),
+        between: Callable[[], None] | None = None,
+    ) -> list[Request]:
+        """Commit the step's sampled tokens; returns the requests that finished (in the output's
+        order). ``first``: requests committed before the others, after which ``between`` runs
+        (the engine sends the next step's deferred grammar rows there: they wait only for those
+        requests' tokens, and the worker samples that step while the rest are committed)."""
         expected = min(self.steps, default=self.step_id - 1)
         if out.step_id != expected:
             raise ValueError(f"output for step {out.step_id}, expected step {expected}")
@@ -606,17 +614,25 @@ class Scheduler:
         predicted = self.predicted.get(out.step_id, {})  # (``_settle`` drops it)
         inflight = self._settle(out.step_id)
         expected_gain, made = 0.0, 0
-        done: list[Request] = []
-        off = 0
+        done: list[tuple[int, Request]] = []
         # lists once: a numpy scalar read per request costs more than the whole conversion
         sampled = out.sampled_token_ids.tolist()
         num_sampled = out.num_sampled.tolist()
         num_accepted = out.num_accepted.tolist()
         num_drafts = out.num_draft_tokens.tolist()
-        for i, req_id in enumerate(out.req_ids):
+        offsets = np.cumsum(out.num_sampled, dtype=np.int64).tolist()
+        order: list[int] = list(range(len(out.req_ids)))
+        cut = -1  # ``between`` runs before the request at this place in ``order`` (-1: at the end)
+        if between is not None and first:
+            early = [i for i in order if out.req_ids[i] in first]
+            cut = len(early)
+            order = early + [i for i in order if out.req_ids[i] not in first]
+        for place, i in enumerate(order):
+            if place == cut and between is not None:
+                between()
+            req_id = out.req_ids[i]
             n = num_sampled[i]
-            tokens = sampled[off : off + n]
-            off += n
+            tokens = sampled[offsets[i] - n : offsets[i]]
             req = self.requests.get(req_id)
             sched = inflight.get(req_id)
             if req is None or sched is None or req.finished:
@@ -645,10 +661,12 @@ class Scheduler:
                 if not req.finished:
                     self._finish(req, "error", f"committing sampled tokens failed: {e!r:.300}")
             if req.finished:
-                done.append(req)
+                done.append((i, req))
+        if between is not None and cut in (-1, len(order)):
+            between()
         if expected_gain and self.tuner is not None:
             self.tuner.observe_verified(expected_gain, made)
-        return done
+        return [req for _, req in sorted(done, key=lambda d: d[0])]
 
     def _commit(self, req: Request, tokens: list[int]) -> None:
         eos = self.limits.eos_token_ids

@@ -565,3 +565,42 @@ def test_overlap_steps_with_deferred_grammar_rows_are_weighed_apart(
         False,
     ) in s.tuner._buckets  # both kinds of step proposed
     assert (1, True) not in p.tuner._buckets
+
+
+def test_deferred_rows_are_built_once_their_requests_commit_before_the_others(
+    tok: TokenizerInfo, grammar: GrammarBackend
+) -> None:
+    """Overlap: ``update(out, first, between)`` commits the next step's deferred requests first
+    and runs ``between`` (the engine sends their rows there) before the others commit. The rows
+    are those built after the whole update, and the finished requests come back in the output's
+    order."""
+    seen: list[tuple[int, int, np.ndarray]] = []
+    rows = []
+    for early in (False, True):
+        s = scheduler(tok, grammar, overlap=True)
+        s.add(request(tok, "p", None, max_tokens=1))
+        s.add(request(tok, "s", LOWER, max_tokens=2))
+        s.add(request(tok, "t", LOWER, max_tokens=2))
+        s0, s1 = s.schedule(), s.schedule()
+        assert s0 is not None and s1 is not None and s1.deferred_req_ids == ["s", "t"]
+        before = {r: s.requests[r].num_tokens for r in ("p", "s")}
+        out = output(0, {"p": tok.encode("Z"), "s": tok.encode("a"), "t": [EOS_ID]})
+
+        def send(
+            s: Scheduler = s, s1: SchedulerOutput = s1, before: dict[str, int] = before
+        ) -> None:
+            grown = {r: s.requests[r].num_tokens - n for r, n in before.items()}
+            seen.append((grown["s"], grown["p"], s.deferred_bitmask(s1).grammar_bitmask))
+
+        if early:
+            done = s.update(out, {"s", "t"}, send)
+            assert len(seen) == 1 and seen[0][:2] == (1, 0), "rows built after the others"
+            rows.append(seen[0][2])
+        else:
+            done = s.update(out)
+            rows.append(s.deferred_bitmask(s1).grammar_bitmask)
+        assert [r.req_id for r in done] == ["p", "t"]
+        assert all(s.requests[r].num_tokens == n + 1 for r, n in before.items())
+    np.testing.assert_array_equal(rows[0], rows[1])
+    np.testing.assert_array_equal(rows[1][:1], committed_row(grammar, LOWER, tok.encode("a")))
+    assert (rows[1][1:] == -1).all(), "a request that ended gets an allow-all row"
