@@ -592,10 +592,14 @@ class Scheduler:
         request's own width); ``deferred``: the step's grammar rows for some request follow it."""
         if self.tuner is None:
             return -1
+        tuner = self.tuner
         reqs = [self.requests[r] for r in sampling]
-        alphas = [self.tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in reqs]
-        hits = [self._hits(r) for r in reqs]
-        return self.tuner.propose(alphas, [r.num_speculative_tokens for r in reqs], hits, deferred)
+        return tuner.propose(
+            lambda: [tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in reqs],
+            [r.num_speculative_tokens for r in reqs],
+            lambda: [self._hits(r) for r in reqs],
+            deferred,
+        )
 
     def update(
         self,

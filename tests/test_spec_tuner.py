@@ -899,9 +899,16 @@ def test_a_clear_choice_of_no_drafts_stands_without_weighing_every_step(
     rates = tuner._rates
     monkeypatch.setattr(tuner, "_rates", lambda *a: weighed.append(1) or rates(*a))
     alphas, caps = [0.2] * 64, [4] * 64
-    ks = [tuner.propose(alphas, caps) for _ in range(OFF_FOR)]
+    made = []  # the per-request lists, made only where the widths are weighed (lazily)
+
+    def alphas_made() -> list[float]:
+        made.append(1)
+        return alphas
+
+    ks = [tuner.propose(alphas_made, caps, lambda: [1.0] * 64) for _ in range(OFF_FOR)]
     assert ks == [0] * OFF_FOR and tuner.reason == "best"
     assert len(weighed) == 1  # the first decision weighed, the rest stood
+    assert len(made) == 1
     assert tuner.propose(alphas, caps) == 0 and len(weighed) == 2  # OFF_FOR passed: anew
     tuner.observe_step(64, 1, 1.5, 0)  # the no-drafts end got dearer: anew at once
     assert tuner.propose(alphas, caps) == 0 and len(weighed) == 3

@@ -531,7 +531,10 @@ class ModelRunner:
         widths: list[int] = []
         # without a drafter requests still have widths (the scheduler's grammar-forced drafts),
         # and nothing is proposed for them: no DraftTokenIds follows
-        if not left and slots and not isinstance(self.drafter, NoDrafter):
+        drafting = not left and bool(slots) and not isinstance(self.drafter, NoDrafter)
+        if drafting and cap == 0:
+            widths = [0] * len(slots)  # the tuner keeps drafting off: no width to weigh
+        elif drafting:
             room = np.minimum(st.num_speculative[slots], st.max_model_len - st.num_tokens[slots])
             # no more than the scheduler verifies (its output one token short of max_tokens),
             # and nothing for a request that this step ended (its length, a stop or
