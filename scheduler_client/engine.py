@@ -181,6 +181,7 @@ class Engine:
         self._sent_s: dict[int, float] = {}
         self._sent_mono: dict[int, float] = {}  # step_id -> monotonic send time (health)
         self.num_deferred_bitmasks = 0
+        self.num_early_bitmasks = 0  # ... of them sent before the rest of the output committed
         self._deferred_sent = -1  # the step whose deferred rows were sent last
         self._ids = itertools.count()
         self.started_s = time.monotonic()
@@ -387,7 +388,7 @@ class Engine:
         # requests), where no drafts follow (the rows validate drafts that come after)
         nxt = self.in_flight[0] if self.in_flight and not result.output.drafts_follow else None
         first = set(nxt.deferred_req_ids) if nxt is not None else set()
-        done = sch.update(result.output, first, self._send_deferred if first else None)
+        done = sch.update(result.output, first, self._send_early if first else None)
         if self.on_commit is not None and result.output.drafts_follow:
             self.on_commit(failed + done)  # (without drafts to wait for, the step ends now)
         # the drafts come after the output: the worker drafts while the tokens are committed
@@ -509,6 +510,12 @@ class Engine:
     def _take_ended(self) -> list[Request]:
         ended, self._ended = self._ended, []
         return ended
+
+    def _send_early(self) -> None:
+        """``_send_deferred`` before the rest of an output is committed (``num_early_bitmasks``)."""
+        sent = self.num_deferred_bitmasks
+        self._send_deferred()
+        self.num_early_bitmasks += self.num_deferred_bitmasks - sent
 
     def _send_deferred(self) -> None:
         """The next step in flight waits for its deferred rows: send them now (once)."""

@@ -60,7 +60,7 @@ def check_greedy(over: Engine, batch: int) -> None:
 
 def check_structured_greedy(sync: Engine, over: Engine) -> None:
     """Structured greedy requests (their rows deferred) beside a plain one: the same tokens as
-    sync mode, and valid."""
+    sync mode, and valid, with rows sent before the rest of an output is committed among them."""
     work = [
         {
             "messages": [{"role": "user", "content": f"json please {i}"}],
@@ -78,6 +78,8 @@ def check_structured_greedy(sync: Engine, over: Engine) -> None:
         if "structured" in w:
             jsonschema.validate(json.loads(o.text), w["structured"]["json"])  # type: ignore[index]
     assert over.num_deferred_bitmasks > before, "no structured step was deferred"
+    # where no drafts followed a step, its successor's rows went before the rest committed
+    assert over.num_early_bitmasks > 0, "no deferred rows were sent early"
 
 
 @pytest.mark.parametrize("batch", [1, 8])
