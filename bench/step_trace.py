@@ -6,7 +6,8 @@ and prints per row where the steps and their time went, by the width they ran.
 
 A row's steps are the trace lines inside its ``span`` (its wall-clock start and end). Per width
 (1 + the widest drafts run): steps, their share of the row's step time, mean time with and without
-a prompt chunk, the drafts asked for after them and, for a width with drafts, the share of its
+a prompt chunk, the steps that waited for deferred grammar rows and their mean time (and the mean
+of the others without a prompt chunk), the drafts asked for after them and, for a width with drafts, the share of its
 draft slots (width - 1 a request) that held a draft and the tokens a request made a step; then
 how often the width changed and the longest run of each width; last, over the steps that verified
 a tuner's choice, the drafts accepted for each token the tuner's model expected them to add
@@ -38,6 +39,9 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
     for w, ss in sorted(by.items()):
         plain = [s["ms"] for s in ss if not s["prefill"]]
         mixed = [s["ms"] for s in ss if s["prefill"]]
+        # steps that waited for deferred grammar rows, and the others without a prompt chunk
+        late = [s["ms"] for s in ss if s.get("deferred")]
+        free = [s["ms"] for s in ss if not s.get("deferred") and not s["prefill"]]
         asked: dict[int, int] = defaultdict(int)
         for s in ss:
             asked[s["proposals"]] += 1
@@ -46,6 +50,9 @@ def summarize(steps: list[dict[str, Any]]) -> dict[str, Any]:
             "share": round(sum(s["ms"] for s in ss) / total, 3),
             "ms_decode": round(sum(plain) / len(plain), 3) if plain else None,
             "ms_mixed": round(sum(mixed) / len(mixed), 3) if mixed else None,
+            "deferred": len(late),
+            "ms_deferred": round(sum(late) / len(late), 3) if late else None,
+            "ms_decode_not_deferred": round(sum(free) / len(free), 3) if free else None,
             "proposals": dict(sorted(asked.items())),
             "reqs": round(sum(s["reqs"] for s in ss) / len(ss), 1),
         }

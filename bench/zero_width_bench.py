@@ -6,10 +6,12 @@ at c=64, EAGLE held at width zero cost the scheduler 0.36-0.54 ms more CPU a ste
 (h100-s17); this isolates what of that its core loop makes.
 
     python bench/zero_width_bench.py [--overlap] [--steps 600] [--live] [--profile N]
+    python bench/zero_width_bench.py --proposals [--steps 300]
 
 ``--live``: the tuner decides instead, on step times where drafting loses (a step of width w
 costs w ms) and drafts each accepted with probability ALPHA, so its own weighing of the widths
-is in the figure; ``--profile N``: cProfile's N dearest functions, own time a step.
+is in the figure; ``--profile N``: cProfile's N dearest functions, own time a step;
+``--proposals``: the time of the scheduler's proposal decision alone (``time_proposals``).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import cProfile
 import os
 import sys
 import time
+import timeit
 
 import numpy as np
 
@@ -34,11 +37,18 @@ B = 64
 ALPHA = 0.2  # --live: each draft accepted with this probability (EAGLE's, on SmolLM2)
 
 
-def loop(k: int, steps: int, overlap: bool, live: bool = False, profile: int = 0) -> float:
+def loop(
+    k: int,
+    steps: int,
+    overlap: bool,
+    live: bool = False,
+    profile: int = 0,
+    keep: list[Scheduler] | None = None,
+) -> float:
     """CPU ms a step of a closed loop at batch B, with ``k`` speculative tokens a request.
     ``live``: the tuner decides, on step times where drafting loses (a step of width w costs w
     ms) and drafts accepted each with probability ALPHA; ``profile``: print that many of the
-    dearest functions (cProfile, own time a step)."""
+    dearest functions (cProfile, own time a step); ``keep``: the scheduler is appended to it."""
     limits = WorkerLimits(
         vocab_size=49152, eos_token_ids=(0,), max_model_len=4096,
         max_num_speculative_tokens=k, max_num_seqs=B,
@@ -104,6 +114,8 @@ def loop(k: int, steps: int, overlap: bool, live: bool = False, profile: int = 0
             add()
         done += 1
     cpu = 1e3 * (time.process_time() - t0) / max(done, 1)
+    if keep is not None:
+        keep.append(s)
     if live and k:
         print(f"  {done} steps, {drafting} proposing drafts")
     if prof is not None:
@@ -112,13 +124,34 @@ def loop(k: int, steps: int, overlap: bool, live: bool = False, profile: int = 0
     return cpu
 
 
+def time_proposals(steps: int) -> None:
+    """The scheduler's proposal decision (``Scheduler._proposals``: the tuner's ``propose`` and
+    what it is given) for the B requests running after ``steps`` steps of a --live --overlap run:
+    the best of five timings of 2,000 calls, in microseconds a call."""
+    keep: list[Scheduler] = []
+    loop(4, steps, True, live=True, keep=keep)
+    s = keep[0]
+    sampling = {r.req_id for r in s.running}
+    n = 2000
+    best = min(timeit.repeat(lambda: s._proposals(sampling, False), number=n, repeat=5))
+    print(f"Scheduler._proposals, {len(sampling)} requests: {best / n * 1e6:.1f} us a call")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--overlap", action="store_true", help="async scheduling (steps not answered)")
     ap.add_argument("--steps", type=int, default=600)
     ap.add_argument("--live", action="store_true", help="the tuner decides (drafting loses)")
     ap.add_argument("--profile", type=int, default=0, metavar="N", help="cProfile's N dearest")
+    ap.add_argument(
+        "--proposals",
+        action="store_true",
+        help="after a --live run, time the scheduler's proposal decision at batch B alone",
+    )
     a = ap.parse_args()
+    if a.proposals:
+        time_proposals(a.steps)
+        return
     what = "tuner deciding" if a.live else "tuner at zero"
     for k in (0, 4, 0, 4):  # alternated
         cpu = loop(k, a.steps, a.overlap, a.live, a.profile)

@@ -631,9 +631,20 @@ class Scheduler:
             early = [i for i in order if out.req_ids[i] in first]
             cut = len(early)
             order = early + [i for i in order if out.req_ids[i] not in first]
-        for place, i in enumerate(order):
-            if place == cut and between is not None:
+        failed: Exception | None = None  # ``between``'s, raised once every request is committed
+
+        def run_between() -> None:
+            nonlocal failed
+            if between is None:
+                return
+            try:
                 between()
+            except Exception as e:
+                failed = e
+
+        for place, i in enumerate(order):
+            if place == cut:
+                run_between()
             req_id = out.req_ids[i]
             n = num_sampled[i]
             tokens = sampled[offsets[i] - n : offsets[i]]
@@ -666,10 +677,12 @@ class Scheduler:
                     self._finish(req, "error", f"committing sampled tokens failed: {e!r:.300}")
             if req.finished:
                 done.append((i, req))
-        if between is not None and cut in (-1, len(order)):
-            between()
+        if cut in (-1, len(order)):
+            run_between()
         if expected_gain and self.tuner is not None:
             self.tuner.observe_verified(expected_gain, made)
+        if failed is not None:
+            raise failed
         return [req for _, req in sorted(done, key=lambda d: d[0])]
 
     def _commit(self, req: Request, tokens: list[int]) -> None:

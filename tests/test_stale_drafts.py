@@ -604,3 +604,23 @@ def test_deferred_rows_are_built_once_their_requests_commit_before_the_others(
     np.testing.assert_array_equal(rows[0], rows[1])
     np.testing.assert_array_equal(rows[1][:1], committed_row(grammar, LOWER, tok.encode("a")))
     assert (rows[1][1:] == -1).all(), "a request that ended gets an allow-all row"
+
+
+def test_an_error_between_the_commits_is_raised_once_every_request_committed(
+    tok: TokenizerInfo, grammar: GrammarBackend
+) -> None:
+    """A failure of ``between`` (building or sending the early rows) leaves no request of the
+    output uncommitted: it is raised after them all."""
+    s = scheduler(tok, grammar, overlap=True)
+    s.add(request(tok, "p", None))
+    s.add(request(tok, "s", LOWER))
+    s0, s1 = s.schedule(), s.schedule()
+    assert s0 is not None and s1 is not None and s1.deferred_req_ids == ["s"]
+    before = {r: s.requests[r].num_tokens for r in ("p", "s")}
+
+    def fail() -> None:
+        raise RuntimeError("rows")
+
+    with pytest.raises(RuntimeError, match="rows"):
+        s.update(output(0, {"p": tok.encode("Z"), "s": tok.encode("a")}), {"s"}, fail)
+    assert all(s.requests[r].num_tokens == n + 1 for r, n in before.items())
