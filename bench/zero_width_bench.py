@@ -7,6 +7,7 @@ at c=64, EAGLE held at width zero cost the scheduler 0.36-0.54 ms more CPU a ste
 
     python bench/zero_width_bench.py [--overlap] [--steps 600] [--live] [--profile N]
     python bench/zero_width_bench.py --proposals [--steps 300]
+    python bench/zero_width_bench.py --kv-blocks 4096   # the scheduler's block accounting too
 
 ``--live``: the tuner decides instead, on step times where drafting loses (a step of width w
 costs w ms) and drafts each accepted with probability ALPHA, so its own weighing of the widths
@@ -35,6 +36,7 @@ from scheduler_client.spec_tuner import StepShape
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 B = 64
 ALPHA = 0.2  # --live: each draft accepted with this probability (EAGLE's, on SmolLM2)
+KV_BLOCKS = 0  # --kv-blocks: the worker's paged cache, blocks of 16 tokens (0: one slot each)
 
 
 def loop(
@@ -52,6 +54,7 @@ def loop(
     limits = WorkerLimits(
         vocab_size=49152, eos_token_ids=(0,), max_model_len=4096,
         max_num_speculative_tokens=k, max_num_seqs=B,
+        num_kv_blocks=KV_BLOCKS, kv_block_size=16 if KV_BLOCKS else 0,
     )  # fmt: skip
     s = Scheduler(SchedulerConfig(async_scheduling=overlap, max_num_seqs=B), limits, None, None)
     added = 0
@@ -148,7 +151,15 @@ def main() -> None:
         action="store_true",
         help="after a --live run, time the scheduler's proposal decision at batch B alone",
     )
+    ap.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=0,
+        help="the worker's paged cache in blocks of 16 tokens (0: a slot a request)",
+    )
     a = ap.parse_args()
+    global KV_BLOCKS
+    KV_BLOCKS = a.kv_blocks
     if a.proposals:
         time_proposals(a.steps)
         return

@@ -34,17 +34,23 @@ class KVBlocks:
         are done (exact in sync mode: nothing is in flight when the scheduler schedules)."""
         return req.num_computed + req.num_inflight + req.inflight_max_new
 
+    # ``held``, ``room`` and ``take`` spell out ``blocks_for(computed_bound(req))``: the scheduler
+    # calls them a few times per request and step, and at batch 64 the nested calls cost more
+    # than the arithmetic (``bench/zero_width_bench.py``)
+
     def held(self, req: Request) -> int:
         """Blocks ``req`` holds between steps."""
-        return self.blocks_for(self.computed_bound(req))
+        return -(-(req.num_computed + req.num_inflight + req.inflight_max_new) // self.block_size)
 
     def num_free(self, running: list[Request]) -> int:
         return self.num_blocks - sum(self.held(r) for r in running)
 
     def room(self, req: Request, free: int) -> int:
         """Tokens ``req`` can run this step with ``free`` blocks left besides its own."""
-        return (self.held(req) + free) * self.block_size - self.computed_bound(req)
+        bound, size = req.num_computed + req.num_inflight + req.inflight_max_new, self.block_size
+        return (-(-bound // size) + free) * size - bound
 
     def take(self, req: Request, num_tokens: int) -> int:
         """Blocks a step of ``num_tokens`` tokens of ``req`` takes beyond those it holds."""
-        return self.blocks_for(self.computed_bound(req) + num_tokens) - self.held(req)
+        bound, size = req.num_computed + req.num_inflight + req.inflight_max_new, self.block_size
+        return -bound // size - -(bound + num_tokens) // size  # ceil((b + n) / s) - ceil(b / s)
