@@ -36,7 +36,6 @@ from scheduler_client.spec_tuner import StepShape
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 B = 64
 ALPHA = 0.2  # --live: each draft accepted with this probability (EAGLE's, on SmolLM2)
-KV_BLOCKS = 0  # --kv-blocks: the worker's paged cache, blocks of 16 tokens (0: one slot each)
 
 
 def loop(
@@ -46,15 +45,17 @@ def loop(
     live: bool = False,
     profile: int = 0,
     keep: list[Scheduler] | None = None,
+    kv_blocks: int = 0,
 ) -> float:
     """CPU ms a step of a closed loop at batch B, with ``k`` speculative tokens a request.
     ``live``: the tuner decides, on step times where drafting loses (a step of width w costs w
     ms) and drafts accepted each with probability ALPHA; ``profile``: print that many of the
-    dearest functions (cProfile, own time a step); ``keep``: the scheduler is appended to it."""
+    dearest functions (cProfile, own time a step); ``keep``: the scheduler is appended to it;
+    ``kv_blocks``: the worker's paged cache in blocks of 16 tokens (0: a slot a request)."""
     limits = WorkerLimits(
         vocab_size=49152, eos_token_ids=(0,), max_model_len=4096,
         max_num_speculative_tokens=k, max_num_seqs=B,
-        num_kv_blocks=KV_BLOCKS, kv_block_size=16 if KV_BLOCKS else 0,
+        num_kv_blocks=kv_blocks, kv_block_size=16 if kv_blocks else 0,
     )  # fmt: skip
     s = Scheduler(SchedulerConfig(async_scheduling=overlap, max_num_seqs=B), limits, None, None)
     added = 0
@@ -158,14 +159,12 @@ def main() -> None:
         help="the worker's paged cache in blocks of 16 tokens (0: a slot a request)",
     )
     a = ap.parse_args()
-    global KV_BLOCKS
-    KV_BLOCKS = a.kv_blocks
     if a.proposals:
         time_proposals(a.steps)
         return
     what = "tuner deciding" if a.live else "tuner at zero"
     for k in (0, 4, 0, 4):  # alternated
-        cpu = loop(k, a.steps, a.overlap, a.live, a.profile)
+        cpu = loop(k, a.steps, a.overlap, a.live, a.profile, kv_blocks=a.kv_blocks)
         print(f"k={k} ({'no drafter' if k == 0 else what}): {cpu:.3f} ms CPU a step")
 
 

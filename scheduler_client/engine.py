@@ -182,7 +182,6 @@ class Engine:
         self._sent_mono: dict[int, float] = {}  # step_id -> monotonic send time (health)
         self.num_deferred_bitmasks = 0
         self.num_early_bitmasks = 0  # ... of them sent before the rest of the output committed
-        self._deferred_sent = -1  # the step whose deferred rows were sent last
         self._ids = itertools.count()
         self.started_s = time.monotonic()
         # Read by other threads (health): plain attributes, each set in one assignment.
@@ -408,7 +407,8 @@ class Engine:
             sch.no_drafts(result.output)
         self._went_on = bool(sch.running or sch.waiting)
         self._ready_s = ready if self._went_on else None
-        self._send_deferred()
+        if not first:  # (else ``update`` sent them)
+            self._send_deferred()
         return ended + self._take_ended() + failed + done
 
     def _depth(self) -> int:
@@ -513,22 +513,18 @@ class Engine:
 
     def _send_early(self) -> None:
         """``_send_deferred`` before the rest of an output is committed (``num_early_bitmasks``)."""
-        sent = self.num_deferred_bitmasks
-        self._send_deferred()
-        self.num_early_bitmasks += self.num_deferred_bitmasks - sent
+        self.num_early_bitmasks += self._send_deferred()
 
-    def _send_deferred(self) -> None:
-        """The next step in flight waits for its deferred rows: send them now (once)."""
-        if (
-            self.in_flight
-            and len(self.in_flight[0].deferred_req_ids)
-            and self.in_flight[0].step_id != self._deferred_sent
-        ):
-            self._deferred_sent = self.in_flight[0].step_id
+    def _send_deferred(self) -> bool:
+        """The next step in flight waits for its deferred rows: send them now. Returns whether
+        they went."""
+        if self.in_flight and self.in_flight[0].deferred_req_ids:
             # a death here is reported (and recovered from) by the next receive
             with contextlib.suppress(WorkerDied):
                 self.client.send_step(self.scheduler.deferred_bitmask(self.in_flight[0]))
                 self.num_deferred_bitmasks += 1
+                return True
+        return False
 
     def _observe(
         self,

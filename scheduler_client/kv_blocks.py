@@ -25,18 +25,12 @@ class KVBlocks:
         self.num_blocks = num_blocks
         self.block_size = block_size
 
-    def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
-    @staticmethod
-    def computed_bound(req: Request) -> int:
-        """The most positions the worker can have computed for ``req`` once the steps in flight
-        are done (exact in sync mode: nothing is in flight when the scheduler schedules)."""
-        return req.num_computed + req.num_inflight + req.inflight_max_new
-
-    # ``held``, ``room`` and ``take`` spell out ``blocks_for(computed_bound(req))``: the scheduler
-    # calls them a few times per request and step, and at batch 64 the nested calls cost more
-    # than the arithmetic (``bench/zero_width_bench.py``)
+    # A request's bound b = num_computed + num_inflight + inflight_max_new: the most positions the
+    # worker can have computed for it once the steps in flight are done (exact in sync mode:
+    # nothing is in flight when the scheduler schedules); it holds ceil(b / block_size) blocks.
+    # ``held``, ``room`` and ``take`` spell that out: the scheduler calls them a few times per
+    # request and step, and at batch 64 nested calls cost more than the arithmetic
+    # (``bench/zero_width_bench.py --kv-blocks``)
 
     def held(self, req: Request) -> int:
         """Blocks ``req`` holds between steps."""

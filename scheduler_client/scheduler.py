@@ -626,8 +626,8 @@ class Scheduler:
         num_drafts = out.num_draft_tokens.tolist()
         offsets = np.cumsum(out.num_sampled, dtype=np.int64).tolist()
         order: list[int] = list(range(len(out.req_ids)))
-        cut = -1  # ``between`` runs before the request at this place in ``order`` (-1: at the end)
-        if between is not None and first:
+        cut = 0  # ``between`` runs before the request at this place in ``order`` (or at the end)
+        if first:
             early = [i for i in order if out.req_ids[i] in first]
             cut = len(early)
             order = early + [i for i in order if out.req_ids[i] not in first]
@@ -677,7 +677,7 @@ class Scheduler:
                     self._finish(req, "error", f"committing sampled tokens failed: {e!r:.300}")
             if req.finished:
                 done.append((i, req))
-        if cut in (-1, len(order)):
+        if cut == len(order):
             run_between()
         if expected_gain and self.tuner is not None:
             self.tuner.observe_verified(expected_gain, made)
