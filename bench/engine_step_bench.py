@@ -4,7 +4,7 @@ them), overlap scheduling. The worker serves a 2-layer random model (``--load-fo
 SmolLM2's tokenizer, so its steps are short and the scheduler does a real model's bookkeeping
 (detokenization, grammar rows, drafts) on the CPU. Reports the engine process's CPU ms a step.
 
-    python bench/engine_step_bench.py [--drafter none|ngram|draft_model] [--zero-width]
+    python bench/engine_step_bench.py [--drafter none|ngram|draft_model] [--zero-width] [--no-guard]
         [--full-width] [--sync] [--k K] [--root DIR]
 
 ``--k``: each request's drafts; 0 with ``--drafter none`` (as ``serve_bench.py`` serves it: no
@@ -13,12 +13,16 @@ grammar-forced drafts either), else 4. Figures before 2026-12-07 ran ``none`` at
 ``--zero-width`` pins the tuner's proposals at zero (as it keeps a losing drafter): what a
 drafter held at zero width costs the scheduler against ``--drafter none``. ``--full-width`` runs
 without the tuner (every step drafts at the worker's width; ``draft_model`` drafts with the
-same dummy as the target, so the two agree), ``--sync`` without overlap scheduling. The line
-ends with the drafts verified and accepted.
+same dummy as the target, so the two agree), ``--sync`` without overlap scheduling,
+``--no-guard`` without the speculation guard (``scheduler_client/spec_guard.py``). The line
+ends with the drafts verified and accepted, the output tokens a second (every request runs to
+``--max-tokens``), and what the guard did.
 
 ``--root`` runs another checkout's code (scheduler and worker alike: a git worktree of an older
 commit), so two trees are compared in one run on one machine. Its figures are this process's CPU,
-not a served row's: the HTTP door, the client and the GPU are not in them.
+not a served row's: the HTTP door, the client and the GPU are not in them. "committing outputs"
+is the wall time in ``Scheduler.update`` a step (the early deferred rows it sends included):
+work begun off the GIL there shortens it and not the CPU figure.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ def main() -> None:
     ap.add_argument("--zero-width", action="store_true", help="the tuner proposes no drafts")
     ap.add_argument("--k", type=int, default=None, help="drafts a request (0 with --drafter none)")
     ap.add_argument("--sync", action="store_true", help="no overlap scheduling")
+    ap.add_argument("--no-guard", action="store_true", help="no speculation guard (spec_guard.py)")
     ap.add_argument(
         "--full-width", action="store_true", help="no tuner: every step drafts at full width"
     )
@@ -97,6 +102,7 @@ def main() -> None:
                 max_num_seqs=64,
                 async_scheduling=not a.sync,
                 adaptive_speculation=not a.full_width,
+                **({"speculation_guard": False} if a.no_guard else {}),
             ),
         )
         workload = load_workload(str(HERE / "workloads" / "mixed.jsonl"), a.requests)
@@ -106,6 +112,19 @@ def main() -> None:
             engine.generate([dict(w, max_tokens=8, ignore_eos=True) for w in workload[:8]])
             for w in workload:
                 engine.add_request(**dict(w, max_tokens=a.max_tokens, ignore_eos=True))
+            # the wall time of committing outputs (``Scheduler.update``, the early deferred rows
+            # it sends among them): what the engine thread spends on an output, waits included
+            commit_s = [0.0]
+            update = engine.scheduler.update
+
+            def timed_update(*args: object, **kwargs: object) -> object:
+                t = time.perf_counter()
+                try:
+                    return update(*args, **kwargs)  # type: ignore[arg-type]
+                finally:
+                    commit_s[0] += time.perf_counter() - t
+
+            engine.scheduler.update = timed_update  # type: ignore[assignment,method-assign]
             steps0, cpu0, t0 = engine.scheduler.step_id, time.process_time(), time.perf_counter()
             prof = cProfile.Profile() if a.cprofile else None
             if prof is not None:
@@ -116,16 +135,26 @@ def main() -> None:
             cpu, wall = time.process_time() - cpu0, time.perf_counter() - t0
             steps = engine.scheduler.step_id - steps0
             m = engine.scheduler.metrics
+            guard = getattr(engine.scheduler, "guard", None)  # (a --root tree may lack it)
+            tokens = len(workload) * a.max_tokens  # ignore_eos: every request runs to the end
     name = (
         a.drafter
         + f" k={config.num_speculative_tokens}"
         + (" at zero width" if a.zero_width else "")
     )
     name += (" at full width" if a.full_width else "") + (", sync" if a.sync else "")
+    name += ", no guard" if a.no_guard else ""
     print(
         f"{name}: {steps} steps, scheduler CPU {cpu / steps * 1e3:.2f} ms a step "
-        f"(wall {wall / steps * 1e3:.2f} ms a step); drafts {m.num_draft_tokens}, accepted "
-        f"{m.num_accepted}"
+        f"(wall {wall / steps * 1e3:.2f} ms a step; committing outputs {commit_s[0] / steps * 1e3:.2f} "
+        f"ms a step, wall); drafts {m.num_draft_tokens}, accepted "
+        f"{m.num_accepted}; {tokens / wall:.0f} output tok/s"
+        + (
+            f"; guard: {guard.num_switches} switches, drafting preferred by batch bucket "
+            f"{ {k: b.prefer for k, b in sorted(guard.buckets.items())} }"
+            if guard
+            else ""
+        )
     )
     if prof is not None:
         print_profile(prof, steps, a.cprofile, root)

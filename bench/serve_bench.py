@@ -55,6 +55,7 @@ from bench.serve_load import (
     cpu_seconds,
     poisson,
     scrape,
+    scrape_guard,
     scrape_tuner,
     step_stats,
     summarize,
@@ -285,6 +286,7 @@ def served(
                     rows[-1]["http_cpu_ms"] = round(1000 * http_cpu / steps, 3) if steps else None
                 if drafter != "none":  # what the speculation tuner measured: "batch/width"
                     rows[-1]["tuner"] = scrape_tuner(port)
+                    rows[-1]["guard"] = scrape_guard(port)
                 print(json.dumps(rows[-1]), flush=True)
                 for spy in spies:
                     if spy is not None:

@@ -240,6 +240,26 @@ def scrape_tuner(port: int) -> dict[str, dict[str, float]]:
     return out
 
 
+def scrape_guard(port: int) -> dict[str, float]:
+    """The speculation guard as /metrics shows it (cumulative over the scheduler's rows): its
+    switches, each batch bucket's preference ("64/preferred": 1 drafting, 0 off) and its
+    windows' output tokens a second ("64/drafting", "64/off")."""
+    text = metrics_text(port)
+    out: dict[str, float] = {}
+    m = re.search(
+        r"^specd_scheduler_speculation_guard_switches_total(?:\{[^}]*\})? (\S+)$", text, re.M
+    )
+    if m:
+        out["switches"] = float(m.group(1))
+    pat = r'^specd_scheduler_speculation_guard_preferred\{batch="(\d+)"[^}]*\} (\S+)$'
+    for m in re.finditer(pat, text, re.M):
+        out[f"{m.group(1)}/preferred"] = float(m.group(2))
+    pat = r'^specd_scheduler_speculation_guard_tokens_per_second\{batch="(\d+)",kind="(\w+)"[^}]*\} (\S+)$'
+    for m in re.finditer(pat, text, re.M):
+        out[f"{m.group(1)}/{m.group(2)}"] = round(float(m.group(3)), 1)
+    return out
+
+
 def cpu_seconds(pid: int) -> float:
     """User plus system CPU time of process ``pid`` (all its threads), from /proc."""
     with open(f"/proc/{pid}/stat") as f:

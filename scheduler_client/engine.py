@@ -142,7 +142,7 @@ class Engine:
             self.prom = SchedulerMetrics()
             self.scheduler.on_finish = self.prom.record_finished
             if self.scheduler.tuner is not None:
-                self.prom.watch_tuner(self.scheduler.tuner)
+                self.prom.watch_tuner(self.scheduler.tuner, self.scheduler.guard)
             # the port bound (the one asked for, or a free one for -1); 0: not serving
             self.metrics_port = (
                 self.prom.serve(config.metrics_port, config.metrics_host)
@@ -376,6 +376,7 @@ class Engine:
             queued=sent_s < self._last_output_s,
             cycle=self._went_on,
         )
+        cycle_s = now - self._last_output_s if self._went_on else 0.0  # (0: after an idle spell)
         self._last_output_s = now
         failed = []
         for err in result.request_errors:
@@ -388,6 +389,8 @@ class Engine:
         nxt = self.in_flight[0] if self.in_flight and not result.output.drafts_follow else None
         first = set(nxt.deferred_req_ids) if nxt is not None else set()
         done = sch.update(result.output, first, self._send_early if first else None)
+        if sch.guard is not None:  # the output tokens it committed a second, against no drafts'
+            sch.guard.observe(cycle_s, sch.last_committed, len(sch.running))
         if self.on_commit is not None and result.output.drafts_follow:
             self.on_commit(failed + done)  # (without drafts to wait for, the step ends now)
         # the drafts come after the output: the worker drafts while the tokens are committed
@@ -443,6 +446,8 @@ class Engine:
         self._sent_mono.clear()
         self._lost.clear()
         self.outstanding_since = None
+        if self.scheduler.guard is not None:
+            self.scheduler.guard.restart()  # the replayed prompts would count in its window
         if self.restarts.take():
             self._recover(e)
             return self._take_ended()

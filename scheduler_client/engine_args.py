@@ -121,6 +121,15 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="always verify every draft (default: choose the width from measured goodput)",
     )
+    ap.add_argument(
+        "--no-speculation-guard",
+        action="store_true",
+        help="with adaptive speculation: do not judge the tuner by its outcome (default: per "
+        "batch size, windows of 32 steps with drafting off are compared with the tuner's by "
+        "their output tokens a second; two probe windows in a row that win by 3%% turn the "
+        "preference over; probes come after 2 windows, then twice as far each time they lose "
+        "by 3%%, up to 64, and after 8 where the two are within 3%%)",
+    )
     ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")
     ap.add_argument(
         "--worker-args",
@@ -195,6 +204,7 @@ def engine_config(a: argparse.Namespace) -> EngineConfig:
             max_steps_in_flight=3 if a.max_steps_in_flight == "auto" else a.max_steps_in_flight,
             steps_in_flight_auto=a.max_steps_in_flight == "auto",
             adaptive_speculation=not a.no_adaptive_speculation,
+            speculation_guard=not a.no_speculation_guard,
             kv_watermark=a.kv_watermark,
         ),
     )

@@ -6,11 +6,12 @@ from collections.abc import Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.metrics_core import Metric
 
 from protocol.gc_heap import GcCollector
 from scheduler_client.request import Request
+from scheduler_client.spec_guard import SpeculationGuard
 from scheduler_client.spec_tuner import SpeculationTuner
 
 # seconds: a request's phases, from a queue of a millisecond to a decode of half a minute
@@ -120,8 +121,9 @@ class SchedulerMetrics:
             )
         }
 
-    def watch_tuner(self, tuner: SpeculationTuner) -> None:
-        """Export the speculation tuner's measured step times, read at each scrape."""
+    def watch_tuner(self, tuner: SpeculationTuner, guard: SpeculationGuard | None = None) -> None:
+        """Export the speculation tuner's measured step times, and the guard's judgement (its
+        windows' output tokens a second), read at each scrape."""
 
         class TunerView:
             def collect(self) -> Iterator[Metric]:
@@ -146,6 +148,33 @@ class SchedulerMetrics:
                     "Drafts accepted for each token the tuner's model expected verified drafts to "
                     "add, over recent verify steps (at most 1): it scales the model's expectation",
                     value=tuner.calibration,
+                )
+                if guard is None:
+                    return
+                preferred = GaugeMetricFamily(
+                    "specd_scheduler_speculation_guard_preferred",
+                    "1 where the guard lets the tuner draft, 0 where drafting lost to windows "
+                    "without it (spec_guard.py), by batch bucket",
+                    labels=["batch"],
+                )
+                rates = GaugeMetricFamily(
+                    "specd_scheduler_speculation_guard_tokens_per_second",
+                    "Output tokens a second of the guard's windows (moving average), by batch "
+                    "bucket and kind (drafting: as the tuner decides; off: no drafts)",
+                    labels=["batch", "kind"],
+                )
+                for batch, judged in sorted(guard.buckets.items()):
+                    preferred.add_metric([str(batch)], float(judged.prefer))
+                    if judged.num_on:
+                        rates.add_metric([str(batch), "drafting"], judged.on)
+                    if judged.num_off:
+                        rates.add_metric([str(batch), "off"], judged.off)
+                yield preferred
+                yield rates
+                yield CounterMetricFamily(
+                    "specd_scheduler_speculation_guard_switches",
+                    "Times the guard turned drafting off or back on (any batch bucket)",
+                    value=guard.num_switches,
                 )
 
         self.registry.register(TunerView())

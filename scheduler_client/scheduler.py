@@ -33,6 +33,7 @@ from scheduler_client.kv_blocks import KVBlocks
 from scheduler_client.metrics import RequestMetrics
 from scheduler_client.request import Request, Status
 from scheduler_client.request_checks import request_problem
+from scheduler_client.spec_guard import SpeculationGuard
 from scheduler_client.spec_tuner import PLAIN_RUN, SpeculationTuner
 from scheduler_client.stop_strings import StopStrings
 from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
@@ -61,6 +62,10 @@ class SchedulerConfig:
     # choose each decode step's draft width from measured goodput (spec_tuner.py); off: always
     # verify every draft the request has
     adaptive_speculation: bool = True
+    # with adaptive speculation: windows of steps with drafting off are compared with those the
+    # tuner drafts in, by their output tokens a second, and drafting that loses is turned off
+    # (spec_guard.py)
+    speculation_guard: bool = True
     # overlap (async) scheduling: the next step is sent before this one's output arrives, with
     # draft widths as caps and structured greedy requests' bitmasks deferred (StepBitmask);
     # None: from the worker's handshake, on when it leaves steps open (``resolve_mode``)
@@ -216,6 +221,10 @@ class Scheduler:
             if config.adaptive_speculation and limits.max_num_speculative_tokens
             else None
         )
+        self.guard = (
+            SpeculationGuard() if self.tuner is not None and config.speculation_guard else None
+        )
+        self.last_committed = 0  # output tokens the last ``update`` committed (the guard's)
         self.words = (limits.vocab_size + 31) // 32
         # the worker's paged KV cache, mirrored: admission and preemption count its blocks
         self.kv_blocks = (
@@ -593,6 +602,9 @@ class Scheduler:
         if self.tuner is None:
             return -1
         tuner = self.tuner
+        if self.guard is not None and not self.guard.drafting:
+            tuner.pause()  # a window with drafting off (spec_guard.py)
+            return 0
         reqs = [self.requests[r] for r in sampling]
         return tuner.propose(
             lambda: [tuner.alpha(r.num_judged, r.metrics.num_accepted) for r in reqs],
@@ -617,7 +629,7 @@ class Scheduler:
         self.last_done_step = out.step_id
         predicted = self.predicted.get(out.step_id, {})  # (``_settle`` drops it)
         inflight = self._settle(out.step_id)
-        expected_gain, made = 0.0, 0
+        expected_gain, made, committed = 0.0, 0, 0
         done: list[tuple[int, Request]] = []
         # lists once: a numpy scalar read per request costs more than the whole conversion
         sampled = out.sampled_token_ids.tolist()
@@ -668,6 +680,7 @@ class Scheduler:
                 made += accepted
             if self.tuner is not None:
                 self.tuner.observe_judged(min(w, accepted + 1), accepted)
+            before = len(req.output_ids)
             try:
                 self._commit(req, tokens)
             except Exception as e:
@@ -675,12 +688,14 @@ class Scheduler:
                 # its neighbours in the step commit as usual
                 if not req.finished:
                     self._finish(req, "error", f"committing sampled tokens failed: {e!r:.300}")
+            committed += len(req.output_ids) - before
             if req.finished:
                 done.append((i, req))
         if cut == len(order):
             run_between()
         if expected_gain and self.tuner is not None:
             self.tuner.observe_verified(expected_gain, made)
+        self.last_committed = committed
         if failed is not None:
             raise failed
         return [req for _, req in sorted(done, key=lambda d: d[0])]

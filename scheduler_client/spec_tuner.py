@@ -653,6 +653,16 @@ class SpeculationTuner:
         ratio = (self._made + CALIBRATION_PRIOR) / (self._expected + CALIBRATION_PRIOR)
         self.calibration = min(max(ratio, lo), hi)
 
+    def pause(self) -> None:
+        """Drafting is off for a while (``Scheduler.guard``): no proposal is decided, and a
+        measurement under way is given up, as where its second step falls in another bucket."""
+        if self._holding is not None:
+            self._holding.hold = -1
+            self._holding.run = 0
+            self._holding = None
+        self._proposed = (0, 0.0)
+        self.reason = "guard"
+
     def skip_choice(self) -> None:
         """A step with no drafts to verify: no choice is made, and a measurement's verify width
         (``propose``'s) is used up as ``choose`` would have used it."""
