@@ -57,6 +57,9 @@ if [ ! -f "$MODEL" ] && [ -f /tmp/specd-model/gguf.part00 ] && [ -f /tmp/specd-m
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+# the host's CPU: served rows at c >= 32 follow it (h100-s29: a host that ran Python three times
+# slower served SmolLM2 at c=64 at 0.58x the in-process runner, where h100-s27's made 0.89x)
+{ lscpu | grep -m1 "Model name"; echo "cpus $(nproc)"; python3 -c "import time; t=time.perf_counter(); sum(range(10**7)); print('python sum(range(10**7)) s', round(time.perf_counter()-t, 3))"; } | tee -a "$OUT/gpu.txt"
 
 if has tests; then
   echo "== GPU tests (every test marked gpu)"
