@@ -86,8 +86,9 @@ class SpeculationGuard:
             self._close(self._bucket, running)
 
     def restart(self) -> None:
-        """A worker restart: the window under way, which the replayed prompts fall in, does not
-        count."""
+        """A worker restart: the window under way ends uncounted, and the next, which the
+        replayed prompts fall in, begins now and does not count either."""
+        self._reset()
         self._skip = True
 
     def _reset(self) -> None:
@@ -136,6 +137,9 @@ class SpeculationGuard:
         preference over; a loss by the margin puts the next probe twice as far; in between, it
         comes after ``probe_every``."""
         preferred = b.on if b.prefer else b.off
+        if preferred <= 0:  # (windows of the preferred kind that committed nothing: no judgement)
+            b.confirming = False
+            return
         if rate > (1.0 + self.margin) * preferred:
             if b.confirming:
                 b.prefer = not b.prefer

@@ -105,8 +105,10 @@ def test_the_first_outputs_of_a_window_and_idle_gaps_are_not_counted() -> None:
         else:
             g.observe(0.064, 64, 64)
     assert g.buckets[64].on == pytest.approx(1000.0) and g.buckets[64].num_on == 1
-    g.observe(0.064, 64, 64)
-    g.restart()  # a worker restart: the window under way (the replayed prompts) does not count
+    for _ in range(g.settle + g.window - 1):
+        g.observe(0.064, 64, 64)  # a window one output short of its end
+    g.restart()  # a worker restart: that window ends uncounted, and the next (the replays) too
+    assert g._seen == 0
     run_windows(g, 1, on_rate=5.0, off_rate=5.0)
     assert g.buckets[64].num_on == 1 and g.buckets[64].on == pytest.approx(1000.0)
     run_windows(g, 1, on_rate=500.0, off_rate=500.0)  # (a probe: the skipped window moved it on)
