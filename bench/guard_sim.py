@@ -24,7 +24,8 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from protocol.messages import DraftTokenIds, ModelRunnerOutput, SamplingParams
+from bench.zero_width_bench import answer_drafts, worker_step
+from protocol.messages import SamplingParams
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 from scheduler_client.spec_tuner import StepShape
@@ -60,23 +61,8 @@ def run(a: argparse.Namespace, k: int, guard: bool) -> tuple[float, int, int]:
         sched = s.schedule()
         if sched is None:
             break
-        ids = list(sched.req_ids)
-        own = (sched.num_scheduled_tokens - sched.num_draft_tokens).tolist()
-        on = np.array(
-            [
-                s.requests[r].num_tokens - s.requests[r].num_computed == c
-                for r, c in zip(ids, own, strict=True)
-            ]
-        )
+        out, sampling = worker_step(s, sched, rng, a.alpha)
         ran = sched.num_draft_tokens
-        acc = np.minimum(rng.geometric(1.0 - a.alpha, len(ids)) - 1, ran) * on
-        out = ModelRunnerOutput(
-            step_id=sched.step_id, req_ids=ids,
-            num_sampled=(on * (1 + acc)).astype(np.int32),
-            sampled_token_ids=np.full(int((on * (1 + acc)).sum()), 7, np.int32),
-            num_draft_tokens=(ran * on).astype(np.int32),
-            num_accepted=acc.astype(np.int32),
-        )  # fmt: skip
         seen = 1e-3 * (a.base_ms + a.token_ms * int(sched.num_scheduled_tokens.sum()))
         hidden = 1e-3 * a.hidden_ms if ran.any() else 0.0
         if a.noise:  # a step's time spread by this factor (lognormal, seeded): the guard sees it
@@ -90,22 +76,7 @@ def run(a: argparse.Namespace, k: int, guard: bool) -> tuple[float, int, int]:
             s.tuner.observe_shape(StepShape.of(sched, out), seen)
         if s.guard is not None:
             s.guard.observe(seen + hidden, s.last_committed, len(s.running))
-        sampling = [r for r, o in zip(ids, on, strict=True) if o and r in s.requests]
-        sampling = [r for r in sampling if not s.requests[r].finished]
-        k_next = max(sched.max_draft_proposals, 0) if k else 0
-        if sampling and k_next:
-            s.take_drafts(
-                DraftTokenIds(
-                    step_id=sched.step_id, req_ids=sampling,
-                    num_draft_tokens=np.full(len(sampling), k_next, np.int32),
-                    draft_token_ids=np.full(k_next * len(sampling), 9, np.int32),
-                    num_committed_tokens=np.array(
-                        [s.requests[r].num_tokens for r in sampling], np.int32
-                    ),
-                )
-            )  # fmt: skip
-        else:
-            s.no_drafts(out)
+        answer_drafts(s, sched, out, sampling, max(sched.max_draft_proposals, 0) if k else 0)
         for _ in ended:
             add()
     return tokens / clock, drafting, s.guard.num_switches if s.guard is not None else 0

@@ -28,7 +28,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench.engine_step_bench import print_profile
-from protocol.messages import DraftTokenIds, ModelRunnerOutput, SamplingParams
+from protocol.messages import DraftTokenIds, ModelRunnerOutput, SamplingParams, SchedulerOutput
 from scheduler_client.request import Request
 from scheduler_client.scheduler import Scheduler, SchedulerConfig, WorkerLimits
 from scheduler_client.spec_tuner import StepShape
@@ -36,6 +36,52 @@ from scheduler_client.spec_tuner import StepShape
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), ".."))
 B = 64
 ALPHA = 0.2  # --live: each draft accepted with this probability (EAGLE's, on SmolLM2)
+
+
+def worker_step(
+    s: Scheduler, sched: SchedulerOutput, rng: np.random.Generator, alpha: float
+) -> tuple[ModelRunnerOutput, list[str]]:
+    """A worker's output for ``sched`` without a worker (sync): every request that samples
+    verifies its drafts, each accepted with probability ``alpha`` (none after a rejected one);
+    and the requests that sampled."""
+    ids = list(sched.req_ids)
+    own = (sched.num_scheduled_tokens - sched.num_draft_tokens).tolist()  # drafts aside
+    sampling = [
+        r
+        for r, c in zip(ids, own, strict=True)
+        if s.requests[r].num_tokens - s.requests[r].num_computed == c
+    ]
+    ran = sched.num_draft_tokens  # sync: the drafts each request verifies
+    on = np.array([r in sampling for r in ids])
+    acc = np.minimum(rng.geometric(1.0 - alpha, len(ids)) - 1, ran) * on
+    out = ModelRunnerOutput(
+        step_id=sched.step_id, req_ids=ids,
+        num_sampled=(on * (1 + acc)).astype(np.int32),
+        sampled_token_ids=np.full(int((on * (1 + acc)).sum()), 7, np.int32),
+        num_draft_tokens=(ran * on).astype(np.int32),
+        num_accepted=acc.astype(np.int32),
+    )  # fmt: skip
+    return out, sampling
+
+
+def answer_drafts(
+    s: Scheduler, sched: SchedulerOutput, out: ModelRunnerOutput, sampling: list[str], k: int
+) -> None:
+    """After ``s.update(out)``: ``k`` drafts for each request that sampled (the worker's
+    ``DraftTokenIds``), or none (``no_drafts``, as after an output without drafts)."""
+    if sampling and k:
+        s.take_drafts(
+            DraftTokenIds(
+                step_id=sched.step_id, req_ids=sampling,
+                num_draft_tokens=np.full(len(sampling), k, np.int32),
+                draft_token_ids=np.full(k * len(sampling), 9, np.int32),
+                num_committed_tokens=np.array(
+                    [s.requests[r].num_tokens for r in sampling], np.int32
+                ),
+            )
+        )  # fmt: skip
+    elif sampling:
+        s.no_drafts(out)
 
 
 def loop(
@@ -78,42 +124,14 @@ def loop(
         sched = s.schedule()
         if sched is None:
             break
-        ids = list(sched.req_ids)
-        own = (sched.num_scheduled_tokens - sched.num_draft_tokens).tolist()  # drafts aside
-        sampling = [
-            r
-            for r, c in zip(ids, own, strict=True)
-            if s.requests[r].num_tokens - s.requests[r].num_computed == c
-        ]
-        ran = sched.num_draft_tokens  # sync: the drafts each request verifies
-        on = np.array([r in sampling for r in ids])
-        acc = np.minimum(rng.geometric(1.0 - ALPHA, len(ids)) - 1, ran) * on
-        out = ModelRunnerOutput(
-            step_id=sched.step_id, req_ids=ids,
-            num_sampled=(on * (1 + acc)).astype(np.int32),
-            sampled_token_ids=np.full(int((on * (1 + acc)).sum()), 7, np.int32),
-            num_draft_tokens=(ran * on).astype(np.int32),
-            num_accepted=acc.astype(np.int32),
-        )  # fmt: skip
+        out, sampling = worker_step(s, sched, rng, ALPHA)
         ended = s.update(out)
         if s.tuner is not None and live:  # as the engine feeds it (Engine._observe)
             shape = StepShape.of(sched, out)
             s.tuner.observe_shape(shape, 1e-3 * shape.width)
         k_next = max(sched.max_draft_proposals, 0) if k else 0
         drafting += bool(k_next)
-        if sampling and k_next:
-            s.take_drafts(
-                DraftTokenIds(
-                    step_id=sched.step_id, req_ids=sampling,
-                    num_draft_tokens=np.full(len(sampling), k_next, np.int32),
-                    draft_token_ids=np.full(k_next * len(sampling), 9, np.int32),
-                    num_committed_tokens=np.array(
-                        [s.requests[r].num_tokens for r in sampling], np.int32
-                    ),
-                )
-            )  # fmt: skip
-        elif sampling:
-            s.no_drafts(out)
+        answer_drafts(s, sched, out, sampling, k_next)
         for _ in ended:
             add()
         done += 1
