@@ -12,7 +12,9 @@ with the guard too. Deterministic (seeded), so it needs no quiet machine.
 A step costs ``--base-ms`` plus ``--token-ms`` per token it runs (drafts included), plus
 ``--hidden-ms`` where it verifies drafts; each draft is accepted with probability ``--alpha``
 (drafts after a rejected one are not); ``--noise S`` multiplies each step's time by a seeded
-lognormal factor of sigma S, as a served step's time varies.
+lognormal factor of sigma S, as a served step's time varies; ``--drift D`` multiplies every
+step's time by ``1 + D sin(2 pi step / --drift-steps)``, the slow swings of a served row's steps
+(h100-s30: 1.45-1.55 ms a step and then 2.1-2.2 ms at one load).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def run(a: argparse.Namespace, k: int, guard: bool) -> tuple[float, int, int]:
     rng = np.random.default_rng(0)
     noise = np.random.default_rng(2)
     clock, tokens, drafting = 0.0, 0, 0
-    for _ in range(a.steps):
+    for step in range(a.steps):
         sched = s.schedule()
         if sched is None:
             break
@@ -65,6 +67,9 @@ def run(a: argparse.Namespace, k: int, guard: bool) -> tuple[float, int, int]:
         ran = sched.num_draft_tokens
         seen = 1e-3 * (a.base_ms + a.token_ms * int(sched.num_scheduled_tokens.sum()))
         hidden = 1e-3 * a.hidden_ms if ran.any() else 0.0
+        if a.drift:  # a slow swing of every step's time, drafting or not
+            swing = 1.0 + a.drift * np.sin(2.0 * np.pi * step / a.drift_steps)
+            seen, hidden = seen * swing, hidden * swing
         if a.noise:  # a step's time spread by this factor (lognormal, seeded): the guard sees it
             jitter = float(noise.lognormal(0.0, a.noise))
             seen, hidden = seen * jitter, hidden * jitter
@@ -94,6 +99,8 @@ def main() -> None:
     ap.add_argument(
         "--noise", type=float, default=0.0, help="sigma of a lognormal step-time factor"
     )
+    ap.add_argument("--drift", type=float, default=0.0, help="amplitude of a slow step-time swing")
+    ap.add_argument("--drift-steps", type=int, default=2000, help="the swing's period in steps")
     a = ap.parse_args()
     base, _, _ = run(a, 0, False)
     print(

@@ -126,8 +126,9 @@ def add_engine_args(ap: argparse.ArgumentParser) -> None:
         action="store_true",
         help="with adaptive speculation: do not judge the tuner by its outcome (default: per "
         "batch size, windows of 32 steps with drafting off are compared with the tuner's by "
-        "their output tokens a second; two probe windows in a row that win by 3%% turn the "
-        "preference over; probes come after 2 windows, then twice as far each time they lose "
+        "their output tokens a second, each probe against the windows either side of it; two "
+        "probes that win by 3%% turn the preference over; probes come after 2 windows, then "
+        "twice as far each time they lose "
         "by 3%%, up to 64, and after 8 where the two are within 3%% or after a switch)",
     )
     ap.add_argument("--worker-log", default=None, help="file for the launched worker's log")

@@ -18,9 +18,15 @@ is preferred (drafting, at first), and each kind's output tokens a second, a mov
 its windows (a bucket's first window is not counted, nor one that ends in another bucket or that
 a worker restart fell in). Now and then a window runs as the kind not preferred: after the
 bucket's first 2 counted windows, then after twice as many each time the preferred kind wins,
-up to ``MAX_BACKOFF``, and after ``probe_every`` where the two are within ``margin``. A probe
-whose own window beats the preferred kind's average by ``margin`` is probed again at once, and a
-second such window turns the preference over (one lucky window does not).
+up to ``MAX_BACKOFF``, and after ``probe_every`` where the two are within ``margin``.
+
+A probe is judged against the preferred kind's windows on either side of it: the one before and
+the one after, averaged. A served row's steps drift (h100-s30: at one load, steps without drafts
+took 1.45-1.55 ms and then 2.1-2.2 ms; at c=64, 3.1 and then 4.3 ms over 700 steps), and a probe
+judged against the windows before it alone takes that drift for its own gain or loss: the windows
+either side cancel a steady drift. A probe that beats them by ``margin`` is probed again after
+one window of the preferred kind, and a second such win turns the preference over (one lucky
+window does not).
 """
 
 from __future__ import annotations
@@ -45,7 +51,9 @@ class GuardBucket:
     warm: bool = False  # its first window has passed (not counted: a start or a load change)
     backoff: int = 2  # windows of the preferred kind between probes
     since_probe: int = 0  # windows of the preferred kind since the last probe
-    confirming: bool = False  # a probe won: the next window probes again before a switch
+    confirming: bool = False  # a probe won: the next probe comes after one preferred window
+    last: float = 0.0  # the last counted window of the preferred kind (0: none since a switch)
+    pending: float = 0.0  # a probe's rate, judged when the preferred window after it ends
 
     def add(self, drafting: bool, rate: float) -> None:
         if drafting:
@@ -104,8 +112,8 @@ class SpeculationGuard:
     @staticmethod
     def _kind(b: GuardBucket) -> bool:
         """Whether a window of bucket ``b`` drafts: its preferred kind, or a probe of the
-        other."""
-        probe = b.confirming or b.since_probe >= b.backoff
+        other (never right after a probe: the window after it is its judge's second half)."""
+        probe = not b.pending and (b.confirming or b.since_probe >= b.backoff)
         return b.prefer != probe
 
     def _close(self, b: GuardBucket, running: int) -> None:
@@ -122,28 +130,29 @@ class SpeculationGuard:
         if counted:
             rate = self._tokens / self._seconds
             b.add(self.drafting, rate)
-            if probe and (b.num_on if b.prefer else b.num_off):
-                self._judge(b, rate)
-        elif probe:
-            b.confirming = False  # a second probe must follow the first at once
+            if probe:  # judged once the preferred window after it has run
+                b.pending = rate if b.last > 0 else 0.0
+            else:
+                if b.pending > 0:
+                    self._judge(b, b.pending, 0.5 * (b.last + rate))
+                b.pending, b.last = 0.0, rate
+        else:  # a probe or the window after it uncounted: that probe is not judged, nor
+            b.pending, b.confirming = 0.0, False  # followed by a second
         if not first:
             b.since_probe = 0 if probe else b.since_probe + 1
         self._reset()
         self._begin(running)
 
-    def _judge(self, b: GuardBucket, rate: float) -> None:
-        """After a probe's window (``rate``, its own output tokens a second): a first win by
-        ``margin`` over the preferred kind's average is probed again, a second turns the
-        preference over; a loss by the margin puts the next probe twice as far; in between, it
-        comes after ``probe_every``."""
-        preferred = b.on if b.prefer else b.off
-        if preferred <= 0:  # (windows of the preferred kind that committed nothing: no judgement)
-            b.confirming = False
-            return
+    def _judge(self, b: GuardBucket, rate: float, preferred: float) -> None:
+        """A probe's window (``rate``, its output tokens a second) against the preferred kind's
+        windows either side of it (``preferred``, their mean): a first win by ``margin`` is
+        probed again after one preferred window, a second turns the preference over; a loss by
+        the margin puts the next probe twice as far; in between, it comes after
+        ``probe_every``."""
         if rate > (1.0 + self.margin) * preferred:
             if b.confirming:
                 b.prefer = not b.prefer
-                b.confirming, b.backoff = False, self.probe_every
+                b.confirming, b.backoff, b.last = False, self.probe_every, 0.0
                 self.num_switches += 1
             else:
                 b.confirming = True
