@@ -22,7 +22,7 @@ up to ``MAX_BACKOFF``, and after ``probe_every`` where the two are within ``marg
 
 A probe is judged against the preferred kind's windows on either side of it: the one before and
 the one after, averaged. A served row's steps drift (h100-s30: at one load, steps without drafts
-took 1.45-1.55 ms and then 2.1-2.2 ms; at c=64, 3.1 and then 4.3 ms over 700 steps), and a probe
+took 1.42-1.55 ms and then 2.1-2.2 ms; SmolLM2 at c=64, 3.1-3.4 and then 3.7-3.9 ms), and a probe
 judged against the windows before it alone takes that drift for its own gain or loss: the windows
 either side cancel a steady drift. A probe that beats them by ``margin`` is probed again after
 one window of the preferred kind, and a second such win turns the preference over (one lucky
@@ -52,7 +52,7 @@ class GuardBucket:
     backoff: int = 2  # windows of the preferred kind between probes
     since_probe: int = 0  # windows of the preferred kind since the last probe
     confirming: bool = False  # a probe won: the next probe comes after one preferred window
-    last: float = 0.0  # the last counted window of the preferred kind (0: none since a switch)
+    last: float = 0.0  # the preferred kind's last window, if counted (0: none since a switch)
     pending: float = 0.0  # a probe's rate, judged when the preferred window after it ends
 
     def add(self, drafting: bool, rate: float) -> None:
@@ -124,26 +124,28 @@ class SpeculationGuard:
         # them
         first, skip = not b.warm, self._skip
         b.warm, self._skip = True, False
-        counted = not (first or skip) and self._seconds > 0
+        # (a window that committed nothing, all prompt chunks, says nothing of either kind)
+        counted = not (first or skip) and self._seconds > 0 and self._tokens > 0
         counted = counted and batch_bucket(running) == self._key
         probe = self.drafting != b.prefer
+        if not first:  # (before the judgement: a switch starts the count anew)
+            b.since_probe = 0 if probe else b.since_probe + 1
         if counted:
             rate = self._tokens / self._seconds
             b.add(self.drafting, rate)
             if probe:  # judged once the preferred window after it has run
                 b.pending = rate if b.last > 0 else 0.0
+                b.confirming = b.confirming and b.pending > 0
             else:
-                if b.pending > 0:
-                    self._judge(b, b.pending, 0.5 * (b.last + rate))
-                b.pending, b.last = 0.0, rate
-        else:  # a probe or the window after it uncounted: that probe is not judged, nor
-            b.pending, b.confirming = 0.0, False  # followed by a second
-        if not first:
-            b.since_probe = 0 if probe else b.since_probe + 1
+                switched = b.pending > 0 and self._judge(b, b.pending, 0.5 * (b.last + rate))
+                b.pending, b.last = 0.0, 0.0 if switched else rate
+        else:  # a probe or the window either side of it uncounted: that probe is not judged,
+            # nor followed by a second, and the next is judged by windows either side of it
+            b.pending, b.confirming, b.last = 0.0, False, 0.0
         self._reset()
         self._begin(running)
 
-    def _judge(self, b: GuardBucket, rate: float, preferred: float) -> None:
+    def _judge(self, b: GuardBucket, rate: float, preferred: float) -> bool:
         """A probe's window (``rate``, its output tokens a second) against the preferred kind's
         windows either side of it (``preferred``, their mean): a first win by ``margin`` is
         probed again after one preferred window, a second turns the preference over; a loss by
@@ -152,11 +154,12 @@ class SpeculationGuard:
         if rate > (1.0 + self.margin) * preferred:
             if b.confirming:
                 b.prefer = not b.prefer
-                b.confirming, b.backoff, b.last = False, self.probe_every, 0.0
+                b.confirming, b.backoff, b.since_probe = False, self.probe_every, 0
                 self.num_switches += 1
-            else:
-                b.confirming = True
+                return True
+            b.confirming = True
         elif preferred > (1.0 + self.margin) * rate:
             b.confirming, b.backoff = False, min(MAX_BACKOFF, 2 * b.backoff)
         else:
             b.confirming, b.backoff = False, self.probe_every
+        return False

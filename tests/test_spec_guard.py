@@ -43,7 +43,7 @@ def test_drafting_that_loses_is_turned_off_and_retried_ever_more_rarely() -> Non
     kinds = run_windows(g, 400, on_rate=1000.0, off_rate=1100.0)
     retries = [i for i, k in enumerate(kinds) if k]
     gaps = np.diff(retries).tolist()
-    assert retries[0] == 7 and gaps[:4] == [17, 33, 65, 65], (retries[:3], gaps)
+    assert retries[0] == 8 and gaps[:4] == [17, 33, 65, 65], (retries[:3], gaps)
     assert max(gaps) == MAX_BACKOFF + 1 and g.num_switches == 1
     assert sum(kinds) / len(kinds) < 0.03
 
@@ -84,6 +84,33 @@ def test_a_steady_drift_is_not_taken_for_a_gain() -> None:
     for i in range(12):
         run_windows(g, 1, on_rate=1000.0 * 1.02**i, off_rate=1150.0 * 1.02**i)
     assert not g.buckets[64].prefer and g.num_switches == 1
+
+
+def test_a_window_that_committed_nothing_judges_no_probe() -> None:
+    """The preferred window after a winning probe commits nothing (all prompt chunks): it does
+    not count, the probe is not judged, and the bucket goes back to its preferred kind rather
+    than probing on unjudged."""
+    g = SpeculationGuard()
+    while g.drafting:
+        run_windows(g, 1, on_rate=1000.0, off_rate=1000.0)
+    run_windows(g, 1, on_rate=1000.0, off_rate=1200.0)  # a probe that would win
+    for _ in range(g.settle + g.window):
+        g.observe(0.01, 0, 64)  # the window after it: nothing committed
+    b = g.buckets[64]
+    assert not b.confirming and not b.pending and b.last == 0.0 and g.drafting
+    kinds = run_windows(g, 40, on_rate=1000.0, off_rate=1000.0)
+    assert kinds.count(True) > 30 and g.num_switches == 0
+
+
+def test_after_a_switch_the_probes_judge_windows_of_the_new_preference() -> None:
+    """After a switch no window of the old preference stands for the new one, and the next
+    probe comes after ``probe_every`` windows of the new kind."""
+    g = SpeculationGuard()
+    run_windows(g, 7, on_rate=1000.0, off_rate=1100.0)
+    b = g.buckets[64]
+    assert not b.prefer and b.last == 0.0 and b.since_probe == 0
+    kinds = run_windows(g, g.probe_every + 1, on_rate=1000.0, off_rate=1100.0)
+    assert kinds == [False] * g.probe_every + [True] and b.last == pytest.approx(1100.0)
 
 
 def test_drafting_comes_back_when_a_retry_wins() -> None:
