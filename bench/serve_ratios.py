@@ -4,7 +4,8 @@ On a shared host one served row's throughput moves by 15-40% against the next (h
 steps without drafts of one row took 1.45-1.55 ms a step and then 2.1-2.2 ms, at the same load),
 so a drafter's ratio to no drafts is read from rows run side by side, over several passes. Name
 the drafters more than once to get passes (``--drafters none ngram none ngram``): the k-th row of
-a drafter at a load is paired with the k-th row of ``none`` at that load and mode, in the same file.
+a drafter at a load is paired with the k-th row of ``none`` at that load and mode, in the same file
+(a pass where either row had errors is left out, and counted).
 
     python bench/serve_ratios.py serve_a.json [serve_b.json ...]
 
@@ -26,7 +27,7 @@ def passes(rows: list[dict[str, Any]]) -> dict[tuple[str, str, str], list[dict[s
     """Served rows by (drafter, mode, load), in the order they ran."""
     out: dict[tuple[str, str, str], list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
-        if r.get("path") == "served" and not r.get("errors"):
+        if r.get("path") == "served":
             out[(r["drafter"], r["mode"], r["load"])].append(r)
     return out
 
@@ -39,8 +40,13 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         base = by.get(("none", mode, load), [])
         if drafter == "none" or not base:
             continue
-        pairs = list(zip(mine, base, strict=False))
-        each = [r["output_tok_s"] / b["output_tok_s"] for r, b in pairs if b["output_tok_s"]]
+        # k-th with k-th; a pass where either row had errors is left out, not shifted
+        pairs = [
+            (r, b)
+            for r, b in zip(mine, base, strict=False)
+            if not r.get("errors") and not b.get("errors") and b["output_tok_s"]
+        ]
+        each = [r["output_tok_s"] / b["output_tok_s"] for r, b in pairs]
         if not each:
             continue
         tok = sum(r["output_tokens"] for r, _ in pairs) / sum(r["wall_s"] for r, _ in pairs)
@@ -51,6 +57,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "mode": mode,
                 "load": load,
                 "passes": [round(x, 3) for x in each],
+                "left_out": min(len(mine), len(base)) - len(pairs),
                 "median": round(statistics.median(each), 3),
                 "pooled": round(tok / base_tok, 3),
                 "none_tok_s": [b["output_tok_s"] for _, b in pairs],
@@ -62,14 +69,15 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def table(label: str, entries: list[dict[str, Any]]) -> str:
     lines = [
         f"== {label}: served output tok/s over no drafts' (pass by pass)",
-        "| drafter | mode | load | passes | median | pooled | none tok/s |",
-        "|---|---|---|---|---:|---:|---|",
+        "| drafter | mode | load | passes | median | pooled | none tok/s | left out |",
+        "|---|---|---|---|---:|---:|---|---:|",
     ]
     for e in entries:
         lines.append(
             f"| {e['drafter']} | {e['mode']} | {e['load']} | "
             f"{' '.join(f'{x:.3f}' for x in e['passes'])} | {e['median']:.3f} | "
-            f"{e['pooled']:.3f} | {' '.join(str(round(x)) for x in e['none_tok_s'])} |"
+            f"{e['pooled']:.3f} | {' '.join(str(round(x)) for x in e['none_tok_s'])} | "
+            f"{e['left_out']} |"
         )
     return "\n".join(lines)
 

@@ -76,6 +76,76 @@ def test_final_text_does_not_depend_on_how_tokens_were_chunked(tmp_path: Path) -
         assert len(set(texts)) == 1, (trial, ids, texts)
 
 
+def test_a_byte_level_tokenizer_detokenizes_from_its_bytes_as_decode_does(tmp_path: Path) -> None:
+    """A byte-level tokenizer's ids are their bytes (``TokenizerInfo.token_bytes``): the text
+    from them is the full decode's, whatever the chunks (invalid UTF-8, special and added tokens
+    among the ids), and no delta shows what the decode of the ids so far does not begin with."""
+    import random
+
+    from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
+    from worker.byte_tokenizer import save_byte_tokenizer
+
+    tok = TokenizerInfo(str(save_byte_tokenizer(tmp_path / "t", 300)))  # 41 added <|tN|> tokens
+    assert tok.token_bytes() is not None
+    rng = random.Random(7)
+    for _ in range(300):
+        ids = [rng.randrange(300) for _ in range(rng.randrange(1, 40))]
+        d = IncrementalDetokenizer(tok)
+        shown, i = "", 0
+        while i < len(ids):
+            k = rng.randrange(1, 6)
+            shown += d.add(ids[i : i + k], final=i + k >= len(ids))
+            i += k
+            if i < len(ids) and "\ufffd" not in tok.decode(d.ids):
+                assert tok.decode(d.ids).startswith(shown)
+        assert shown == d.text == tok.decode(ids), ids
+
+
+def test_a_byte_level_vocabulary_with_gaps_and_added_text_keeps_its_bytes(tmp_path: Path) -> None:
+    """Ids past a gap in the vocabulary (a merge at id 300 of 259 tokens) and an added token
+    whose text has a space (its own UTF-8, as ``ByteLevel`` decodes it) detokenize as decode
+    does, on the bytes path."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
+    vocab["ab"] = 300
+    t = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
+    t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    t.decoder = decoders.ByteLevel()
+    t.add_special_tokens(["<|end|>"])
+    t.add_tokens(["\u00e9 b"])
+    (tmp_path / "m").mkdir()
+    t.save(str(tmp_path / "m" / "tokenizer.json"))
+    tok = TokenizerInfo(str(tmp_path / "m"))
+    table = tok.token_bytes()
+    assert table is not None and len(table) == 301
+    ids = [*tok.encode("xaby \u00e9 b z"), 257]  # (257: the special token, shown as nothing)
+    assert 300 in ids
+    d = IncrementalDetokenizer(tok)
+    assert "".join(d.add([i]) for i in ids) + d.add([], final=True) == tok.decode(ids)
+    assert d.text == "xaby \u00e9 b z"
+
+
+def test_a_tokenizer_that_is_not_byte_level_detokenizes_through_decode(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
+
+    vocab = {"<unk>": 0, "\u2581hello": 1, "\u2581world": 2, "!": 3}
+    t = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    t.pre_tokenizer = pre_tokenizers.Metaspace()
+    t.decoder = decoders.Metaspace()
+    (tmp_path / "m").mkdir()
+    t.save(str(tmp_path / "m" / "tokenizer.json"))
+    tok = TokenizerInfo(str(tmp_path / "m"))
+    assert tok.token_bytes() is None
+    d = IncrementalDetokenizer(tok)
+    text = "".join(d.add([i]) for i in (1, 2, 3)) + d.add([], final=True)
+    assert text == tok.decode([1, 2, 3]) == "hello world!"
+
+
 def _output(step_id: int, tokens: list[int], drafts: int, accepted: int) -> ModelRunnerOutput:
     return ModelRunnerOutput(
         step_id=step_id,

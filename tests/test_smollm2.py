@@ -82,3 +82,24 @@ def test_shipped_eagle_head_is_lossless_and_accepted(smollm2: tuple[torch.nn.Mod
     # head's drafts are almost never accepted
     accepted = sum(r.accepted for r in reqs) / sum(r.verified for r in reqs)
     assert accepted > 0.05, accepted
+
+
+def test_smollm2_text_streams_from_its_token_bytes(smollm2: tuple[torch.nn.Module, str]) -> None:
+    """SmolLM2's tokenizer is byte-level: detokenizing joins each id's bytes. Text with
+    characters of two to four bytes split across tokens comes out as the full decode, a whole
+    character as soon as its last byte is in, never later than the decode of each step's
+    window did."""
+    from scheduler_client.tokenizer import IncrementalDetokenizer, TokenizerInfo
+
+    tok = TokenizerInfo(smollm2[1])
+    assert tok.token_bytes() is not None
+    text = 'naïve café — 你好，世界 🙂🙃 日本語のテキスト👍🏽 Ελληνικά {"a": [1, "ü"]}\n\tdef f(x):'
+    ids = tok.encode(text)
+    fast, slow = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
+    slow._utf8 = None  # the decode of each step's window, as for a tokenizer of another kind
+    shown_fast = shown_slow = ""
+    for i in range(0, len(ids), 2):
+        shown_fast += fast.add(ids[i : i + 2])
+        shown_slow += slow.add(ids[i : i + 2])
+        assert text.startswith(shown_fast) and len(shown_fast) >= len(shown_slow)
+    assert shown_fast + fast.add([], final=True) == text == tok.decode(ids)
