@@ -21,7 +21,9 @@
 #   COMPILE (0; 1: the lossless stage runs with torch.compile'd decoder layers, without the EAGLE
 #   rows, into lossless_bf16_MODE_compiled.*), LOSSLESS_ARGS (more flags for lossless_bench.py),
 #   SERVE_MODELS ("smollm2 1b 8b": the embedded SmolLM2, and bench/configs/llama-1b, llama-8b with
-#   --load-format dummy; smollm2-dummy: bench/configs/smollm2-135m, dummy, with the EAGLE head), SERVE_CONC ("1 8 32 64"), SERVE_RATE (8), SERVE_REQUESTS (128),
+#   --load-format dummy; smollm2-dummy: bench/configs/smollm2-135m, dummy, with the EAGLE head), SERVE_CONC ("1 8 32 64"),
+#   SERVE_PASSES (1: the concurrencies that many times over in each worker's life; ratios_MODEL.txt
+#   holds each drafter over no drafts pass by pass, bench/serve_ratios.py), SERVE_RATE (8), SERVE_REQUESTS (128),
 #   SERVE_ARGS (more flags for serve_bench.py), SERVE_SCHED_ARGS (its --scheduler-args, one
 #   string, e.g. "--max-steps-in-flight 3"; with SERVE_ARGS="--modes overlap pipelined" the
 #   worker's --pipeline-steps against overlap alone), HOSTILE_COUNT (10000), MIXED_MODELS ("smollm2 1b"),
@@ -148,14 +150,19 @@ if has serve; then
     fi
     echo "== (#14) served path vs in-process runner: $m"
     mkdir -p "$OUT/serve_logs_$m"
+    conc=""  # SERVE_PASSES: the concurrencies again in the same workers' lives, as passes
+    for _ in $(seq ${SERVE_PASSES:-1}); do conc+="${SERVE_CONC:-1 8 32 64} "; done
     python3 bench/serve_bench.py "${src[@]}" --device cuda --dtype bfloat16 \
-      --concurrencies ${SERVE_CONC:-1 8 32 64} --rate ${SERVE_RATE:-8} \
+      --concurrencies $conc --rate ${SERVE_RATE:-8} \
       --num-requests ${SERVE_REQUESTS:-128} --max-tokens ${MAX_TOKENS:-128} ${SERVE_ARGS:-} \
       --scheduler-args "${SERVE_SCHED_ARGS:-}" \
       --log-dir "$OUT/serve_logs_$m" --json-out "$OUT/serve_$m.json" > "$OUT/serve_$m.log" 2>&1
     grep "^|\|^floors" "$OUT/serve_$m.log" || tail -5 "$OUT/serve_$m.log"
     # the tuner's steps per row (--step-trace), then the logs as one file (few files come back)
     python3 bench/step_trace.py "$OUT/serve_$m.json" > "$OUT/trace_$m.txt" 2>&1
+    # each drafter over no drafts, pass by pass (a served row drifts: h100-s30)
+    python3 bench/serve_ratios.py "$OUT/serve_$m.json" > "$OUT/ratios_$m.txt" 2>&1
+    grep "^|" "$OUT/ratios_$m.txt" | tail -n +3
     tar -C "$OUT" -czf "$OUT/serve_logs_$m.tgz" "serve_logs_$m" && rm -rf "$OUT/serve_logs_$m"
   done
 fi

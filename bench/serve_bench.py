@@ -331,7 +331,7 @@ def in_process(a: argparse.Namespace, bodies: list[dict[str, Any]]) -> list[dict
         if drafter == "eagle" and not head_fits(a):
             continue
         k = 0 if drafter == "none" else a.k
-        for c in a.concurrencies:
+        for c in dict.fromkeys(a.concurrencies):  # (once each: passes repeat served rows)
             group = (prompts * (c // len(prompts) + 1))[:c]
             head = a.eagle_head if drafter == "eagle" else None
             graphs = device.type == "cuda"
@@ -441,7 +441,14 @@ def main() -> None:
     ap.add_argument(
         "--dtype", default=None, help="the worker's (default bf16 on CUDA, fp32 on CPU)"
     )
-    ap.add_argument("--concurrencies", nargs="+", type=int, default=[1, 8, 32, 64])
+    ap.add_argument(
+        "--concurrencies",
+        nargs="+",
+        type=int,
+        default=[1, 8, 32, 64],
+        help="closed-loop rows; one named again runs again in the same workers (a pass; the "
+        "in-process rows run once each)",
+    )
     ap.add_argument("--rate", type=float, default=8.0, help="Poisson requests/s (0: no such row)")
     ap.add_argument("--num-requests", type=int, default=128, help="requests per load row")
     ap.add_argument("--max-tokens", type=int, default=128, help="for the unconstrained chats")

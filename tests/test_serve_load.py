@@ -92,3 +92,29 @@ def test_each_serve_bench_mode_pins_the_workers_open_steps_but_default() -> None
         "pipelined": {"--pipeline-steps"},
         "default": set(),
     }
+
+
+def test_serve_ratios_pair_passes_and_leave_out_a_pass_with_errors() -> None:
+    """The k-th row of a drafter at a load against the k-th row without drafts there; a pass
+    where either row had errors is left out (and counted), not paired with the next."""
+    from bench.serve_ratios import ratios
+
+    def row(drafter: str, load: str, tok_s: float, errors: int = 0) -> dict[str, object]:
+        return {
+            "path": "served", "drafter": drafter, "mode": "pipelined", "load": load,
+            "output_tok_s": tok_s, "output_tokens": tok_s, "wall_s": 1.0, "errors": errors,
+        }  # fmt: skip
+
+    rows = [
+        row("none", "c=8", 1000.0), row("none", "c=64", 4000.0),
+        row("none", "c=8", 800.0, errors=1), row("none", "c=64", 5000.0),
+        row("none", "c=8", 2000.0), row("none", "c=64", 6000.0),
+        row("ngram", "c=8", 1100.0), row("ngram", "c=64", 3600.0),
+        row("ngram", "c=8", 900.0), row("ngram", "c=64", 5000.0),
+        row("ngram", "c=8", 2400.0), row("ngram", "c=64", 6600.0),
+        {"path": "in-process", "drafter": "ngram", "load": "c=8", "output_tok_s": 1.0},
+    ]  # fmt: skip
+    by = {e["load"]: e for e in ratios(rows)}
+    assert by["c=8"]["passes"] == [1.1, 1.2] and by["c=8"]["left_out"] == 1
+    assert by["c=8"]["pooled"] == round(3500 / 3000, 3)
+    assert by["c=64"]["passes"] == [0.9, 1.0, 1.1] and by["c=64"]["median"] == 1.0
