@@ -161,8 +161,8 @@ if has serve; then
     # the tuner's steps per row (--step-trace), then the logs as one file (few files come back)
     python3 bench/step_trace.py "$OUT/serve_$m.json" > "$OUT/trace_$m.txt" 2>&1
     # each drafter over no drafts, pass by pass (a served row drifts: h100-s30)
-    python3 bench/serve_ratios.py "$OUT/serve_$m.json" > "$OUT/ratios_$m.txt" 2>&1
-    grep "^|" "$OUT/ratios_$m.txt" | tail -n +3
+    python3 bench/serve_ratios.py "$OUT/serve_$m.json" > "$OUT/ratios_$m.txt" 2>&1 \
+      && grep "^|" "$OUT/ratios_$m.txt" | tail -n +3 || tail -3 "$OUT/ratios_$m.txt"
     tar -C "$OUT" -czf "$OUT/serve_logs_$m.tgz" "serve_logs_$m" && rm -rf "$OUT/serve_logs_$m"
   done
 fi

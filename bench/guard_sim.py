@@ -14,7 +14,7 @@ A step costs ``--base-ms`` plus ``--token-ms`` per token it runs (drafts include
 (drafts after a rejected one are not); ``--noise S`` multiplies each step's time by a seeded
 lognormal factor of sigma S, as a served step's time varies; ``--drift D`` multiplies every
 step's time by ``1 + D sin(2 pi step / --drift-steps)``, the slow swings of a served row's steps
-(h100-s30: 1.45-1.55 ms a step and then 2.1-2.2 ms at one load).
+(h100-s30: 1.45-1.54 ms a step and then 2.1-2.2 ms at one load).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ over no drafts on each path.
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -31,10 +32,12 @@ import matplotlib.pyplot as plt
 def serve_plot(src: Path, out: Path) -> None:
     """serve_vs_concurrency.png from one serve_bench.py JSON (closed-loop rows only)."""
     rows = [r for r in json.loads(src.read_text())["rows"] if r["load"].startswith("c=")]
-    tok_s: dict[tuple[str, str, str], dict[int, float]] = {}
+    passes: dict[tuple[str, str, str], dict[int, list[float]]] = {}
     for r in rows:
         key = (r["path"], r["drafter"], r.get("mode") or "-")
-        tok_s.setdefault(key, {})[int(r["load"][2:])] = r["output_tok_s"]
+        passes.setdefault(key, {}).setdefault(int(r["load"][2:]), []).append(r["output_tok_s"])
+    # a concurrency run in several passes (serve_bench --concurrencies 8 64 8 64): their median
+    tok_s = {k: {c: statistics.median(v) for c, v in by_c.items()} for k, by_c in passes.items()}
     styles = {"served sync": ":", "served overlap": "-", "in-process -": "--", "hf-graph -": "-."}
     marks = {"none": "o", "ngram": "s", "eagle": "^", "draft_model": "D"}
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

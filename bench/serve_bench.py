@@ -241,17 +241,20 @@ def served(
             closed_loop(port, bodies[:top], top, client_procs(a, top))
             phases: list[tuple[str, Any]] = [(f"c={c}", c) for c in a.concurrencies]
             phases += [(f"rate={a.rate}", None)] if a.rate else []
+            runs: dict[str, int] = {}  # a concurrency named again: its profiles' file names
             for name, c in phases:
+                runs[name] = runs.get(name, 0) + 1
+                tag = name if runs[name] == 1 else f"{name}-pass{runs[name]}"
                 spies = (
                     [
-                        profile(a, sched.pid, f"{drafter}-{mode}-{name}"),
-                        profile(a, worker.pid, f"worker-{drafter}-{mode}-{name}"),
+                        profile(a, sched.pid, f"{drafter}-{mode}-{tag}"),
+                        profile(a, worker.pid, f"worker-{drafter}-{mode}-{tag}"),
                     ]
                     if c
                     else []
                 )
                 torch_profile = (
-                    kernel_profile(a, worker.pid, f"{drafter}-{mode}-{name}") if c else None
+                    kernel_profile(a, worker.pid, f"{drafter}-{mode}-{tag}") if c else None
                 )
                 before, wbefore = scrape(port), scrape(wport, "specd_worker_")
                 http = http_process(sched.pid)  # --api-server-count 1: the HTTP door's own

@@ -1,11 +1,14 @@
 """Each drafter's served output tok/s over no drafts', pass by pass, from serve_bench.py's JSON.
 
 On a shared host one served row's throughput moves by 15-40% against the next (h100-s30: the
-steps without drafts of one row took 1.45-1.55 ms a step and then 2.1-2.2 ms, at the same load),
-so a drafter's ratio to no drafts is read from rows run side by side, over several passes. Name
+steps without drafts of one row took 1.45-1.54 ms a step and then 2.1-2.2 ms, at the same load),
+so a drafter's ratio to no drafts is read over several passes: the same concurrencies again in
+the same workers' lives (pass k of each drafter at the same point of its worker's life), or the
+drafters named again (alternated, in new workers). Name
 the drafters more than once to get passes (``--drafters none ngram none ngram``): the k-th row of
 a drafter at a load is paired with the k-th row of ``none`` at that load and mode, in the same file
-(a pass where either row had errors is left out, and counted).
+(a pass where either row had errors is left out, and counted; passes one side has more of are
+not paired).
 
     python bench/serve_ratios.py serve_a.json [serve_b.json ...]
 

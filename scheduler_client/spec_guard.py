@@ -22,7 +22,7 @@ up to ``MAX_BACKOFF``, and after ``probe_every`` where the two are within ``marg
 
 A probe is judged against the preferred kind's windows on either side of it: the one before and
 the one after, averaged. A served row's steps drift (h100-s30: at one load, steps without drafts
-took 1.42-1.55 ms and then 2.1-2.2 ms; SmolLM2 at c=64, 3.1-3.4 and then 3.7-3.9 ms), and a probe
+took 1.45-1.54 ms and then 2.1-2.2 ms; SmolLM2 at c=64, 3.1-3.4 and then 3.7-3.9 ms), and a probe
 judged against the windows before it alone takes that drift for its own gain or loss: the windows
 either side cancel a steady drift. A probe that beats them by ``margin`` is probed again after
 one window of the preferred kind, and a second such win turns the preference over (one lucky
