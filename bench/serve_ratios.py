@@ -7,8 +7,8 @@ the same workers' lives (pass k of each drafter at the same point of its worker'
 drafters named again (alternated, in new workers). Name
 the drafters more than once to get passes (``--drafters none ngram none ngram``): the k-th row of
 a drafter at a load is paired with the k-th row of ``none`` at that load and mode, in the same file
-(a pass where either row had errors is left out, and counted; passes one side has more of are
-not paired).
+(a pass where either row had errors is left out, and so is a pass one side has more of: both are
+counted in ``left out``).
 
     python bench/serve_ratios.py serve_a.json [serve_b.json ...]
 
@@ -60,7 +60,7 @@ def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "mode": mode,
                 "load": load,
                 "passes": [round(x, 3) for x in each],
-                "left_out": min(len(mine), len(base)) - len(pairs),
+                "left_out": max(len(mine), len(base)) - len(pairs),
                 "median": round(statistics.median(each), 3),
                 "pooled": round(tok / base_tok, 3),
                 "none_tok_s": [b["output_tok_s"] for _, b in pairs],

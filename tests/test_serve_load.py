@@ -118,3 +118,6 @@ def test_serve_ratios_pair_passes_and_leave_out_a_pass_with_errors() -> None:
     assert by["c=8"]["passes"] == [1.1, 1.2] and by["c=8"]["left_out"] == 1
     assert by["c=8"]["pooled"] == round(3500 / 3000, 3)
     assert by["c=64"]["passes"] == [0.9, 1.0, 1.1] and by["c=64"]["median"] == 1.0
+    # a pass only one side has (a row cut short by a time limit) is left out and counted
+    rows.append(row("ngram", "c=64", 7000.0))
+    assert {e["load"]: e for e in ratios(rows)}["c=64"]["left_out"] == 1
