@@ -368,16 +368,16 @@ class Engine:
         # After an idle spell (no unfinished requests at the last output) the time counts from
         # the step's send.
         sent_s = self._sent_s.pop(cur.step_id, now)
+        cycle_s = now - self._last_output_s if self._went_on else 0.0  # (0: after an idle spell)
         if self._went_on:
-            self._cycle_s = _ema(self._cycle_s, now - self._last_output_s)
+            self._cycle_s = _ema(self._cycle_s, cycle_s)
         self._observe(
             cur,
             result.output,
-            now - (self._last_output_s if self._went_on else max(self._last_output_s, sent_s)),
+            cycle_s if self._went_on else now - max(self._last_output_s, sent_s),
             queued=sent_s < self._last_output_s,
             cycle=self._went_on,
         )
-        cycle_s = now - self._last_output_s if self._went_on else 0.0  # (0: after an idle spell)
         self._last_output_s = now
         failed = []
         for err in result.request_errors:

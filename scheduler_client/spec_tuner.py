@@ -449,12 +449,10 @@ class SpeculationTuner:
             self.reason = "none"
             return 0
         bucket = self._bucket(len(caps), deferred)
-        if self._holding is not None and self._holding is not bucket:
+        if self._holding is not bucket:
             # the measurement's second step fell in another bucket (the batch changed size, or
-            # a structured request's rows began to be deferred): it is given up, and its bucket
-            # measures anew when it decides next, where its hold fired on some later step
-            self._holding.hold = -1
-            self._holding.run = 0
+            # a structured request's rows began to be deferred): it is given up
+            self._give_up()
         self._holding = None
         bucket.decisions += 1
         self.decisions += 1
@@ -656,12 +654,17 @@ class SpeculationTuner:
     def pause(self) -> None:
         """Drafting is off for a while (``Scheduler.guard``): no proposal is decided, and a
         measurement under way is given up, as where its second step falls in another bucket."""
+        self._give_up()
+        self._proposed = (0, 0.0)
+        self.reason = "guard"
+
+    def _give_up(self) -> None:
+        """The measurement under way, if any, is given up: its bucket measures anew when it
+        decides next, where its hold would have fired on some later step."""
         if self._holding is not None:
             self._holding.hold = -1
             self._holding.run = 0
             self._holding = None
-        self._proposed = (0, 0.0)
-        self.reason = "guard"
 
     def skip_choice(self) -> None:
         """A step with no drafts to verify: no choice is made, and a measurement's verify width

@@ -155,20 +155,17 @@ class IncrementalDetokenizer:
         # a byte-level tokenizer's ids are their bytes: joined and fed to an incremental UTF-8
         # decoder, which holds back an incomplete sequence at the end by itself (two decodes of
         # the window a step, as below, cost the engine thread 8-9% of its time at c=64)
-        self._table = self.tokenizer.token_bytes()
-        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._table else None
+        table = self.tokenizer.token_bytes()
+        self._bytes = (table, codecs.getincrementaldecoder("utf-8")("replace")) if table else None
 
     def add(self, new_ids: list[int], final: bool = False) -> str:
         """The new text; ``final``: the request ends here, so nothing is held back (an
         incomplete UTF-8 sequence comes out as U+FFFD, as the full decode would show it)."""
         self.ids.extend(new_ids)
-        if self._utf8 is not None:
-            table = self._table
-            assert table is not None
+        if self._bytes is not None:
+            table, utf8 = self._bytes
             n = len(table)
-            delta = str(
-                self._utf8.decode(b"".join([table[i] if i < n else b"" for i in new_ids]), final)
-            )
+            delta = str(utf8.decode(b"".join([table[i] if i < n else b"" for i in new_ids]), final))
             self.text += delta
             return delta
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset])

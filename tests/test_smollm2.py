@@ -96,7 +96,7 @@ def test_smollm2_text_streams_from_its_token_bytes(smollm2: tuple[torch.nn.Modul
     text = 'naïve café — 你好，世界 🙂🙃 日本語のテキスト👍🏽 Ελληνικά {"a": [1, "ü"]}\n\tdef f(x):'
     ids = tok.encode(text)
     fast, slow = IncrementalDetokenizer(tok), IncrementalDetokenizer(tok)
-    slow._utf8 = None  # the decode of each step's window, as for a tokenizer of another kind
+    slow._bytes = None  # the decode of each step's window, as for a tokenizer of another kind
     shown_fast = shown_slow = ""
     for i in range(0, len(ids), 2):
         shown_fast += fast.add(ids[i : i + 2])
