@@ -1,7 +1,11 @@
-"""The worker's per-step host checks and layout for a decode step without drafts:
-``check_step`` and ``build_step_batch`` at batch 54 (the served c=64 rows' batch), on the CPU.
+"""The worker's per-step host checks and layout for a decode step: ``check_step`` and
+``build_step_batch`` at batch 54 (the served c=64 rows' batch), on the CPU.
 
-    python bench/step_layout_bench.py [--root DIR] [--batch 54]
+    python bench/step_layout_bench.py [--root DIR] [--batch 54] [--drafts W] [--device cuda]
+
+``--device cuda`` lays the step out for a GPU (its host-to-device copies included; the timing
+waits for the stream at the end of each call). ``--drafts W``: each request verifies W drafts of the worker's own, sent as overlap scheduling
+sends them (placeholders, the widths caps); 0 (the default): a step without drafts.
 
 ``--root`` imports the worker from another checkout (a git worktree of an older commit), so two
 trees are compared in one run on one machine.
@@ -13,12 +17,15 @@ import argparse
 import os
 import sys
 import timeit
+from collections.abc import Callable
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--root", default=os.path.join(os.path.dirname(__file__), ".."))
     ap.add_argument("--batch", type=int, default=54)
+    ap.add_argument("--drafts", type=int, default=0)
+    ap.add_argument("--device", default="cpu")
     ap.add_argument("--number", type=int, default=3000)
     a = ap.parse_args()
     sys.path.insert(0, os.path.abspath(a.root))
@@ -30,24 +37,26 @@ def main() -> None:
     from worker.step_batch import build_step_batch
     from worker.step_checks import StepLimits, check_step
 
-    cpu = torch.device("cpu")
+    device = torch.device(a.device)
     st = RequestStates(
-        vocab_size=1000, max_num_seqs=64, max_model_len=512, max_num_draft_tokens=4, device=cpu
+        vocab_size=1000, max_num_seqs=64, max_model_len=512, max_num_draft_tokens=4, device=device
     )
     ids = []
     for i in range(a.batch):
         prompt = np.arange(1, 40 + i, dtype=np.int32)
-        st.add(NewRequest(f"r{i}", prompt, SamplingParams(), 0), 4)
+        st.add(NewRequest(f"r{i}", prompt, SamplingParams(), a.drafts), 4)
         slot = st.slot_of[f"r{i}"]
         st.num_computed[slot] = st.num_tokens[slot] - 1  # decoding: one token to run
+        st.num_drafts[slot] = a.drafts  # proposed after the step before
         ids.append(f"r{i}")
     sched = SchedulerOutput(
         step_id=1,
         new_requests=[],
         req_ids=ids,
-        num_scheduled_tokens=np.ones(a.batch, np.int32),
-        num_draft_tokens=np.zeros(a.batch, np.int32),
-        draft_token_ids=np.zeros(0, np.int32),
+        num_scheduled_tokens=np.full(a.batch, 1 + a.drafts, np.int32),
+        num_draft_tokens=np.full(a.batch, a.drafts, np.int32),
+        draft_token_ids=np.full(a.batch * a.drafts, -1, np.int32),
+        draft_widths_are_caps=True,
         finished_req_ids=[],
         aborted_req_ids=[],
         structured_req_ids=[],
@@ -55,11 +64,27 @@ def main() -> None:
     limits = StepLimits(vocab_size=1000, max_num_draft_tokens=4)
     for name, f in (
         ("check_step", lambda: check_step(sched, st, limits)),
-        ("build_step_batch", lambda: build_step_batch(sched, st, set(), 1000, cpu)),
+        ("build_step_batch", lambda: build_step_batch(sched, st, set(), 1000, device)),
     ):
+        if device.type == "cuda":
+            f = _synced(f, device)
         f()
         best = min(timeit.repeat(f, number=a.number, repeat=5)) / a.number
-        print(f"{name}: {1e6 * best:.1f} us a step at batch {a.batch} ({a.root})")
+        print(
+            f"{name}: {1e6 * best:.1f} us a step at batch {a.batch}, {a.drafts} drafts each "
+            f"({a.root})"
+        )
+
+
+def _synced(f: Callable[[], object], device: object) -> Callable[[], object]:
+    import torch
+
+    def run() -> object:
+        out = f()
+        torch.cuda.synchronize(device)  # type: ignore[arg-type]
+        return out
+
+    return run
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""For steps without drafts the worker lays out the batch and checks it as arrays: the layout
-(``_build_without_drafts``) is what the request-at-a-time path (``_build_any``) gives, and the
-checks (``_layout_without_drafts``) agree with ``_layout_any`` and leave every refusal to it."""
+"""The worker lays out every step and checks it as arrays: the layout (``_build_arrays``) is what
+the request-at-a-time statement of it (``_build_any``) gives, drafts or not, and the checks
+(``_layout_arrays``) agree with ``_layout_any`` and leave every refusal to it."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
 from worker.block_table import BlockTable
 from worker.requests import RequestStates
-from worker.step_batch import StepError, _build_any, _build_without_drafts, build_step_batch
-from worker.step_checks import StepLimits, _fault, _layout_any, _layout_without_drafts, check_step
+from worker.step_batch import StepBatch, StepError, _build_any, _build_arrays, build_step_batch
+from worker.step_checks import StepLimits, _fault, _layout_any, _layout_arrays, check_step
 
 
 def test_the_array_layout_equals_the_request_at_a_time_one() -> None:
@@ -44,10 +44,16 @@ def test_the_array_layout_equals_the_request_at_a_time_one() -> None:
     )
     skip = {"x"}
     cpu = torch.device("cpu")
-    fast, slow = _build_without_drafts(sched, st, skip, cpu), _build_any(sched, st, skip, cpu)
+    fast, slow = _build_arrays(sched, st, skip, cpu), _build_any(sched, st, skip, cpu)
     assert build_step_batch(sched, st, skip, 100, cpu).req_ids == fast.req_ids
     assert fast.req_ids == slow.req_ids == ["r0", "r1", "r2", "r3", "r4"]
+    _assert_same_layout(fast, slow)
+    assert fast.sample_idx == [0, 2, 3, 4]  # all but r1, mid-prompt
+
+
+def _assert_same_layout(fast: StepBatch, slow: StepBatch) -> None:
     for name in (
+        "req_ids",
         "slots",
         "start_positions",
         "num_scheduled",
@@ -58,14 +64,136 @@ def test_the_array_layout_equals_the_request_at_a_time_one() -> None:
         assert getattr(fast, name) == getattr(slow, name), name
     for name in ("input_ids", "positions", "logits_indices", "draft_token_ids"):
         a, b = getattr(fast, name), getattr(slow, name)
-        assert a.dtype == b.dtype and a.tolist() == b.tolist(), name
-    assert [o.tolist() for o in fast.own_drafts] == [o.tolist() for o in slow.own_drafts]
-    assert fast.sample_idx == [0, 2, 3, 4]  # all but r1, mid-prompt
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tolist() == b.tolist(), name
+    assert fast.own_drafts.tolist() == slow.own_drafts.tolist()
+    for i, w in enumerate(fast.num_drafts):
+        assert len(fast.own(i)) == w
+
+
+def _drafting_step(
+    rng: np.random.Generator, trial: int
+) -> tuple[RequestStates, BlockTable, SchedulerOutput, dict[str, NewRequest], set[str]]:
+    """A random step with drafts: decodes verifying the worker's drafts (placeholders), the
+    scheduler's ids or both, widths as caps or not and proposals shorter than them, prefill
+    chunks, new requests, one the worker refused, a finished one, and now and then a rule
+    broken (a width past k, drafts during prefill, a placeholder past the proposal, a count
+    past the context, an unknown request)."""
+    cpu = torch.device("cpu")
+    k = 3
+    st = RequestStates(
+        vocab_size=100, max_num_seqs=8, max_model_len=48, max_num_draft_tokens=k, device=cpu
+    )
+    blocks = BlockTable(
+        num_blocks=96, block_size=4, max_num_seqs=8, max_blocks_per_seq=12, device=cpu
+    )
+    ids: list[str] = []
+    counts: list[int] = []
+    widths: list[int] = []
+    drafts: list[int] = []
+    for i in range(int(rng.integers(1, 7))):
+        n = int(rng.integers(2, 40))
+        temperature = float(rng.choice([0.0, 0.7]))
+        st.add(
+            NewRequest(
+                f"r{i}", rng.integers(1, 100, n).astype(np.int32), SamplingParams(temperature), k
+            ),
+            k,
+        )
+        slot = st.slot_of[f"r{i}"]
+        decoding = rng.random() < 0.7
+        c = n - 1 if decoding else int(rng.integers(0, n - 1))
+        st.num_computed[slot] = c
+        st.num_drafts[slot] = int(rng.integers(0, k + 1))
+        st.draft_token_ids[slot] = torch.as_tensor(rng.integers(1, 100, k))
+        blocks.grow(slot, c)
+        ids.append(f"r{i}")
+        if decoding:
+            w = int(rng.integers(0, k + 1))
+            row = np.where(rng.random(w) < 0.6, -1, rng.integers(1, 100, w)).tolist()
+            counts.append(1 + w)
+            widths.append(w)
+            drafts += row
+        else:
+            counts.append(int(rng.integers(1, n - c + 1)))
+            widths.append(0)
+    new = {
+        f"n{i}": NewRequest(
+            f"n{i}", np.ones(int(rng.integers(1, 30)), np.int32), SamplingParams(), k
+        )
+        for i in range(int(rng.integers(0, 3)))
+    }
+    for req_id, req in new.items():
+        ids.append(req_id)
+        counts.append(int(rng.integers(1, len(req.prompt_token_ids) + 1)))
+        widths.append(0)
+    if trial % 9 == 0:
+        widths[0] += 1  # one draft more than the counts say, or past k
+        counts[0] += 1
+        drafts.insert(0, -1)
+    if trial % 13 == 0:
+        ids.append("ghost")
+        counts.append(1)
+        widths.append(0)
+    if trial % 17 == 0:
+        counts[-1] = 60  # past max_model_len
+    order = rng.permutation(len(ids))
+    starts = np.cumsum([0, *widths])
+    sched = SchedulerOutput(
+        step_id=trial,
+        new_requests=list(new.values()),
+        req_ids=[ids[j] for j in order],
+        num_scheduled_tokens=np.asarray([counts[j] for j in order], np.int32),
+        num_draft_tokens=np.asarray([widths[j] for j in order], np.int32),
+        draft_token_ids=np.asarray(
+            [d for j in order for d in drafts[starts[j] : starts[j + 1]]], np.int32
+        ),
+        finished_req_ids=[],
+        aborted_req_ids=[],
+        structured_req_ids=[],
+        draft_widths_are_caps=trial % 2 == 0,
+    )
+    skip = {"n1"} if "n1" in new else set()
+    return st, blocks, sched, {r: q for r, q in new.items() if r not in skip}, skip
+
+
+def test_the_array_layout_and_check_agree_with_a_request_at_a_time_for_drafting_steps() -> None:
+    """Steps with drafts: ``_layout_arrays`` gives ``_layout_any``'s answer or declines what it
+    refuses, and every step that passes lays out the same both ways."""
+    rng = np.random.default_rng(7)
+    cpu = torch.device("cpu")
+    agreed = refused = shrunk = 0
+    for trial in range(600):
+        st, blocks, sched, accepted, skip = _drafting_step(rng, trial)
+        counts = sched.num_scheduled_tokens.astype(np.int64)
+        widths = sched.num_draft_tokens.astype(np.int64)
+        drafts = sched.draft_token_ids.astype(np.int64)
+
+        def running(req_id: str, st: RequestStates = st) -> bool:
+            return req_id in st.slot_of
+
+        fast = _layout_arrays(sched, st, counts, widths, drafts, 3, skip, accepted, set(), blocks)
+        try:
+            slow = _layout_any(
+                sched, st, counts, widths, drafts, 3, skip, accepted, running, blocks, _fault(trial)
+            )
+        except StepError:
+            assert fast is None, trial
+            refused += 1
+            continue
+        assert fast == slow, trial
+        agreed += 1
+        for req in sched.new_requests:
+            if req.req_id not in skip:
+                st.add(req, 3)
+        a, b = _build_arrays(sched, st, skip, cpu), _build_any(sched, st, skip, cpu)
+        _assert_same_layout(a, b)
+        shrunk += int(sum(a.num_drafts) < int(widths.sum()))
+    assert agreed > 150 and refused > 100 and shrunk > 20, (agreed, refused, shrunk)
 
 
 def test_the_array_check_agrees_with_the_request_at_a_time_one() -> None:
-    """``_layout_without_drafts`` gives ``_layout_any``'s blocks and sampling rows for valid
-    steps without drafts, and declines (None) every step that ``_layout_any`` refuses."""
+    """``_layout_arrays`` gives ``_layout_any``'s blocks and sampling rows for valid steps
+    without drafts, and declines (None) every step that ``_layout_any`` refuses."""
     rng = np.random.default_rng(1)
     cpu = torch.device("cpu")
     agreed = refused = 0
@@ -110,7 +238,9 @@ def test_the_array_check_agrees_with_the_request_at_a_time_one() -> None:
             return req_id in st.slot_of and req_id not in gone
 
         fault = _fault(trial)
-        fast = _layout_without_drafts(sched, st, counts, skip, accepted, running, blocks)
+        fast = _layout_arrays(
+            sched, st, counts, counts * 0, np.zeros(0, np.int64), 2, skip, accepted, gone, blocks
+        )
         try:
             slow = _layout_any(
                 sched,

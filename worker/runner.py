@@ -445,7 +445,7 @@ class ModelRunner:
             w = min(batch.num_drafts[i], probs.shape[1])
             if r < 0 or w == 0:
                 continue
-            own = to_device(batch.own_drafts[i][:w], probs.device, dtype=None)
+            own = to_device(batch.own(i)[:w], probs.device, dtype=None)
             out[j, :w] = probs[r, :w] * own[:, None]
         return out
 

@@ -9,6 +9,7 @@ proposal shrinks to it.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import accumulate
 
 import numpy as np
 import torch
@@ -41,6 +42,9 @@ class StepError(ValueError):
         self.field = field
 
 
+_NO_OWN = np.zeros(0, bool)  # a request without drafts has no placeholders
+
+
 @dataclass
 class StepBatch:
     """The per-step layout. B = scheduled requests; S = those that sample this step."""
@@ -56,7 +60,13 @@ class StepBatch:
     logits_indices: torch.Tensor  # [sum over S of (w + 1)]
     cu_rows: list[int]  # [S + 1] logit rows of each sampling request
     draft_token_ids: torch.Tensor  # [S, K]
-    own_drafts: list[np.ndarray]  # batch_idx -> [w] bool: True where the worker's draft is used
+    # [sum of num_drafts] bool, request-major: True where the worker's own draft is used
+    own_drafts: np.ndarray
+
+    def own(self, i: int) -> np.ndarray:
+        """[w] bool of the request at batch index ``i``: where its drafts are the worker's."""
+        first = sum(self.num_drafts[:i])
+        return self.own_drafts[first : first + self.num_drafts[i]]
 
 
 def build_step_batch(
@@ -67,16 +77,17 @@ def build_step_batch(
     device: torch.device,
 ) -> StepBatch:
     """The step's flat layout, for a step that ``worker.step_checks.check_step`` passed.
-    ``skip``: new requests the worker refused this step."""
-    if not sched.num_draft_tokens.any():
-        return _build_without_drafts(sched, st, skip, device)
-    return _build_any(sched, st, skip, device)
+    ``skip``: new requests the worker refused this step. Built over the batch as arrays with one
+    host-to-device copy (``_build_arrays``); ``_build_any`` states the same layout a request at
+    a time, and the tests hold the two equal."""
+    return _build_arrays(sched, st, skip, device)
 
 
 def _build_any(
     sched: SchedulerOutput, st: RequestStates, skip: set[str], device: torch.device
 ) -> StepBatch:
-    """``build_step_batch`` for any step, a request at a time."""
+    """``build_step_batch``'s layout stated a request at a time: what ``_build_arrays`` must
+    equal (tests/test_step_batch.py), kept as the readable form of its rules."""
     req_ids, slots, starts, counts, widths = [], [], [], [], []
     ids_np: list[np.ndarray] = []
     # flat position <- (slot, column) of the worker's own draft, for every -1 placeholder
@@ -164,40 +175,121 @@ def _build_any(
         logits_indices=to_device(logit_rows, device),
         cu_rows=cu_rows,
         draft_token_ids=drafts,
-        own_drafts=own,
+        own_drafts=np.concatenate(own) if own else _NO_OWN,
     )
 
 
-def _build_without_drafts(
+def _build_arrays(
     sched: SchedulerOutput, st: RequestStates, skip: set[str], device: torch.device
 ) -> StepBatch:
-    """``build_step_batch`` for a step that verifies no drafts (no drafter, or its width turned
-    down to zero): the same layout, built over the batch as arrays."""
-    keep = [i for i, req_id in enumerate(sched.req_ids) if req_id not in skip]
-    req_ids = [sched.req_ids[i] for i in keep]
+    """``_build_any``'s layout over the batch as arrays, with one host-to-device copy. Until
+    a drafting step's layout ran a request at a time, with five copies (``_build_any``): 0.54-0.71
+    ms at batch 54 with 4 drafts each on the 2-core CPU machine, on the host path between a
+    drafting step's output and the next step's launch (``bench/step_layout_bench.py
+    --drafts 4``)."""
+    counts = sched.num_scheduled_tokens.astype(np.int64)
+    all_widths = widths = sched.num_draft_tokens.astype(np.int64)
+    req_ids: list[str] = sched.req_ids
+    if skip:
+        keep = [i for i, req_id in enumerate(req_ids) if req_id not in skip]
+        req_ids = [req_ids[i] for i in keep]
+        counts, widths = counts[keep], widths[keep]
     slots = [st.slot_of[req_id] for req_id in req_ids]
     slots_np = np.asarray(slots, np.int64)
-    counts = sched.num_scheduled_tokens[keep].astype(np.int64)
     starts = st.num_computed[slots_np]
     ends = np.cumsum(counts)
     total = int(ends[-1]) if len(ends) else 0
-    positions = flat_ranges(starts, counts)
-    ids = st.token_ids[np.repeat(slots_np, counts), positions]
-    sample = np.flatnonzero(starts + counts == st.num_tokens[slots_np])
-    # ids, positions and the logit rows in one host-to-device copy
-    flat = to_device(np.concatenate([ids, positions, ends[sample] - 1]), device)
-    no_drafts = np.zeros(0, bool)
+    if not widths.any():
+        positions = flat_ranges(starts, counts)
+        ids = st.token_ids[np.repeat(slots_np, counts), positions]
+        sample = np.flatnonzero(starts + counts == st.num_tokens[slots_np])
+        flat = to_device(np.concatenate([ids, positions, ends[sample] - 1]), device)
+        return StepBatch(
+            req_ids=req_ids,
+            slots=slots,
+            input_ids=flat[:total],
+            positions=flat[total : 2 * total],
+            start_positions=starts.tolist(),
+            num_scheduled=counts.tolist(),
+            num_drafts=[0] * len(req_ids),
+            sample_idx=sample.tolist(),
+            logits_indices=flat[2 * total :],
+            cu_rows=list(range(len(sample) + 1)),
+            draft_token_ids=torch.zeros((len(sample), 1), dtype=torch.long, device=device),
+            own_drafts=_NO_OWN,
+        )
+    first_draft = np.cumsum(all_widths) - all_widths  # into sched.draft_token_ids
+    if skip:
+        first_draft = first_draft[keep]
+    sched_drafts = sched.draft_token_ids.astype(np.int64)
+    placeholder = sched_drafts < 0
+    if sched.draft_widths_are_caps:
+        # overlap: a width of placeholders only was chosen before the drafts existed; run the
+        # ones the worker has (a width with real ids in it was built from drafts the scheduler
+        # saw)
+        have = st.num_drafts[slots_np].astype(np.int64)
+        shrink = widths > have
+        if shrink.any() and not placeholder.all():
+            held = np.concatenate([[0], np.cumsum(placeholder)])  # placeholders before each
+            shrink &= held[first_draft + widths] - held[first_draft] == widths
+        if shrink.any():
+            counts = np.where(shrink, counts - widths + have, counts)
+            widths = np.where(shrink, have, widths)
+            ends = np.cumsum(counts)
+            total = int(ends[-1])
+    ran = counts - widths  # committed tokens each request runs, before its drafts
+    samples = starts + ran == st.num_tokens[slots_np]
+    # per token, its request's: slot, start, tokens run before its drafts, first draft in
+    # sched.draft_token_ids, first row in the flat input, and whether it samples
+    tok_slot, tok_start, tok_ran, tok_first, tok_flat, tok_samples = np.repeat(
+        np.array([slots_np, starts, ran, first_draft, ends - counts, samples]), counts, axis=1
+    )
+    offset = np.arange(total) - tok_flat  # within its request
+    positions = tok_start + offset
+    ids = st.token_ids[tok_slot, positions]  # (a draft's position holds a stale token: replaced)
+    column = offset - tok_ran  # >= 0: that draft of its request; -1: its last token
+    logit_rows = np.flatnonzero((column >= -1) & (tok_samples > 0))
+    draft_rows = np.flatnonzero(column >= 0)  # into the flat input
+    column = column[draft_rows]
+    values = sched_drafts[tok_first[draft_rows] + column]
+    # the scheduler's ids stay; placeholders (-1) take the worker's own drafts on the device
+    own = values < 0
+    ids[draft_rows] = np.where(own, 0, values)
+    own_rows = draft_rows[own]
+    sample = np.flatnonzero(samples)
+    sw = widths[sample]  # the sampling requests' widths (every request with drafts samples)
+    width = max(int(sw.max(initial=0)), 1)
+    k = st.draft_token_ids.shape[1]
+    parts = [
+        ids,
+        positions,
+        logit_rows,
+        own_rows,
+        tok_slot[own_rows] * k + column[own],  # the worker's drafts, st.draft_token_ids flat
+        # [S, width] drafts of the sampling requests, gathered from the flat input: each one's
+        # place there (row-major; every draft belongs to a sampling request), and its row
+        np.repeat(np.arange(len(sample)), sw) * width + column,
+        draft_rows,
+    ]
+    flat = to_device(np.concatenate(parts), device)  # everything in one copy
+    (input_ids, positions_d, logits_indices, own_dst, own_src, draft_dst, draft_src) = torch.split(
+        flat, [len(p) for p in parts]
+    )
+    if len(own_rows):
+        input_ids[own_dst] = st.draft_token_ids.view(-1)[own_src]
+    drafts = torch.zeros((len(sample), width), dtype=torch.long, device=device)
+    drafts.view(-1)[draft_dst] = input_ids[draft_src]
     return StepBatch(
         req_ids=req_ids,
         slots=slots,
-        input_ids=flat[:total],
-        positions=flat[total : 2 * total],
+        input_ids=input_ids,
+        positions=positions_d,
         start_positions=starts.tolist(),
         num_scheduled=counts.tolist(),
-        num_drafts=[0] * len(req_ids),
+        num_drafts=widths.tolist(),
         sample_idx=sample.tolist(),
-        logits_indices=flat[2 * total :],
-        cu_rows=list(range(len(sample) + 1)),
-        draft_token_ids=torch.zeros((len(sample), 1), dtype=torch.long, device=device),
-        own_drafts=[no_drafts] * len(req_ids),
+        logits_indices=logits_indices,
+        cu_rows=[0, *accumulate(w + 1 for w in sw.tolist())],
+        draft_token_ids=drafts,
+        own_drafts=own,
     )
