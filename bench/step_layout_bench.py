@@ -1,5 +1,6 @@
-"""The worker's per-step host checks and layout for a decode step: ``check_step`` and
-``build_step_batch`` at batch 54 (the served c=64 rows' batch), on the CPU.
+"""The worker's per-step host checks, layout and acceptance count for a decode step:
+``check_step``, ``build_step_batch`` and ``verify_greedy`` at batch 54 (the served c=64 rows'
+batch), on the CPU.
 
     python bench/step_layout_bench.py [--root DIR] [--batch 54] [--drafts W] [--device cuda]
 
@@ -33,6 +34,7 @@ def main() -> None:
     import torch
 
     from protocol.messages import NewRequest, SamplingParams, SchedulerOutput
+    from worker.rejection import verify_greedy
     from worker.requests import RequestStates
     from worker.step_batch import build_step_batch
     from worker.step_checks import StepLimits, check_step
@@ -62,9 +64,17 @@ def main() -> None:
         structured_req_ids=[],
     )
     limits = StepLimits(vocab_size=1000, max_num_draft_tokens=4)
+    batch = build_step_batch(sched, st, set(), 1000, device)
+    # the verification of the step's logits (argmax, its copy to the host, the accepted runs)
+    logits = torch.randn((len(batch.logits_indices), 1000), device=device)
+    succ = (batch.logits_indices + 1).clamp(max=len(batch.input_ids) - 1)
     for name, f in (
         ("check_step", lambda: check_step(sched, st, limits)),
         ("build_step_batch", lambda: build_step_batch(sched, st, set(), 1000, device)),
+        (
+            "verify_greedy",
+            lambda: verify_greedy(logits, batch.input_ids[succ], batch.cu_rows, a.drafts),
+        ),
     ):
         if device.type == "cuda":
             f = _synced(f, device)

@@ -168,12 +168,13 @@ def test_top_k_and_top_p_restrict_the_support() -> None:
 
 def test_greedy_fast_path_equals_the_batched_verifier() -> None:
     """``verify_greedy`` (one argmax, acceptance counted on the host) against ``verify`` on random
-    batches: widths 0..K, drafts right by construction or at random, ties included."""
-    from worker.rejection import verify_greedy
+    batches: widths 0..K, drafts right by construction or at random, ties included; batches
+    small enough to be counted a request at a time and large enough to be counted as arrays."""
+    from worker.rejection import ARRAY_ACCEPT_MIN_BATCH, verify_greedy
 
     rng = np.random.default_rng(9)
-    for trial in range(200):
-        b, k = int(rng.integers(1, 6)), int(rng.integers(1, 5))
+    for trial in range(300):
+        b, k = int(rng.integers(1, 3 * ARRAY_ACCEPT_MIN_BATCH)), int(rng.integers(1, 5))
         widths = rng.integers(0, k + 1, b).tolist()
         cu = np.concatenate([[0], np.cumsum([w + 1 for w in widths])]).tolist()
         logits = torch.from_numpy(rng.integers(0, 3, (cu[-1], V)).astype(np.float32))  # ties

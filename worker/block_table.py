@@ -109,8 +109,9 @@ class BlockTable:
             return
         rows = np.fromiter(self._dirty, np.int64, len(self._dirty))
         self._dirty.clear()
-        idx = to_device(rows, self.table.device)
-        self.table[idx] = to_device(self.table_np[rows], self.table.device, dtype=None)
+        # the rows' indices and contents in one copy
+        both = to_device(np.concatenate([rows, self.table_np[rows].ravel()]), self.table.device)
+        self.table[both[: len(rows)]] = both[len(rows) :].view(len(rows), -1)
 
     def cache_rows(self, slots: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """Physical flat cache row of each (slot, position) pair: [N] int64. A position in a

@@ -144,6 +144,8 @@ def verify_greedy(
     argmax, drafts = torch.stack([logits.argmax(-1), drafts_by_row.to(torch.long)]).cpu().numpy()
     num = len(cu_rows) - 1
     tokens = np.full((num, width + 1), -1, np.int64)
+    if num >= ARRAY_ACCEPT_MIN_BATCH:
+        return _accept_arrays(argmax, drafts, cu_rows, tokens)
     accepted = np.zeros(num, np.int64)
     for j in range(num):
         a, w = cu_rows[j], cu_rows[j + 1] - cu_rows[j] - 1
@@ -151,4 +153,29 @@ def verify_greedy(
         n = w if match.all() else int(match.argmin())
         accepted[j] = n
         tokens[j, : n + 1] = argmax[a : a + n + 1]
+    return tokens, accepted
+
+
+# from this many requests ``verify_greedy`` counts acceptance over the batch as arrays; a
+# request at a time it cost 235-290 us at batch 64 on the 2-core CPU machine against 17-35, and
+# 7 against 24 at batch 1
+ARRAY_ACCEPT_MIN_BATCH = 8
+
+
+def _accept_arrays(
+    argmax: np.ndarray, drafts: np.ndarray, cu_rows: list[int], tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """``verify_greedy``'s counting over the batch as arrays: each request's first row whose
+    argmax is not its draft (its bonus row at the latest) ends its accepted run."""
+    cu = np.asarray(cu_rows, np.int64)
+    rows = int(cu[-1])
+    miss = argmax != drafts
+    miss[cu[1:] - 1] = True  # a request's bonus row verifies no draft
+    first_miss = np.minimum.reduceat(np.where(miss, np.arange(rows), rows), cu[:-1])
+    accepted = first_miss - cu[:-1]
+    lens = np.diff(cu)
+    req = np.repeat(np.arange(len(lens)), lens)
+    col = np.arange(rows) - np.repeat(cu[:-1], lens)
+    keep = col <= accepted[req]  # the accepted drafts' rows and the one after them
+    tokens[req[keep], col[keep]] = argmax[keep]
     return tokens, accepted

@@ -595,19 +595,20 @@ class ModelRunner:
         num_sampled: list[int],
         num_accepted: np.ndarray,
     ) -> ModelRunnerOutput:
-        flat = [tokens[j, : num_sampled[i]] for j, i in enumerate(batch.sample_idx)]
+        # over the batch as arrays: a request at a time this was two loops of the batch a step
+        sample = np.asarray(batch.sample_idx, np.int64)
+        sampled = np.asarray(num_sampled, np.int32)
         accepted = np.zeros(len(batch.req_ids), np.int32)
         drafts = np.zeros(len(batch.req_ids), np.int32)
-        for j, i in enumerate(batch.sample_idx):
-            accepted[i] = num_accepted[j]
-            drafts[i] = batch.num_drafts[i]
+        accepted[sample] = num_accepted
+        drafts[sample] = np.asarray(batch.num_drafts, np.int32)[sample]
+        # each sampling request's first num_sampled tokens, row by row
+        kept = np.arange(tokens.shape[1])[None, :] < sampled[sample][:, None]
         return ModelRunnerOutput(
             step_id=step_id,
             req_ids=batch.req_ids,
-            num_sampled=np.asarray(num_sampled, np.int32),
-            sampled_token_ids=np.concatenate(flat).astype(np.int32)
-            if flat
-            else np.zeros(0, np.int32),
+            num_sampled=sampled,
+            sampled_token_ids=tokens[kept].astype(np.int32),
             num_draft_tokens=drafts,
             num_accepted=accepted,
         )
