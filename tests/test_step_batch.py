@@ -286,3 +286,32 @@ def test_a_count_near_the_int64_limit_is_refused_not_wrapped() -> None:
     )
     with pytest.raises(StepError, match="num_scheduled_tokens"):
         check_step(sched, st, StepLimits(vocab_size=100, max_num_draft_tokens=2))
+
+
+def test_a_count_past_the_context_that_its_caps_shrink_back_is_checked_as_arrays() -> None:
+    """A new request's 15-token prompt with 2 placeholder drafts as caps (17 tokens, past
+    max_model_len 16) shrinks to its prompt: both checks accept it alike."""
+    cpu = torch.device("cpu")
+    st = RequestStates(
+        vocab_size=100, max_num_seqs=2, max_model_len=16, max_num_draft_tokens=2, device=cpu
+    )
+    new = NewRequest("n", np.ones(15, np.int32), SamplingParams(), 2)
+    sched = SchedulerOutput(
+        step_id=0,
+        new_requests=[new],
+        req_ids=["n"],
+        num_scheduled_tokens=np.array([17], np.int32),
+        num_draft_tokens=np.array([2], np.int32),
+        draft_token_ids=np.array([-1, -1], np.int32),
+        finished_req_ids=[],
+        aborted_req_ids=[],
+        structured_req_ids=[],
+        draft_widths_are_caps=True,
+    )
+    counts, widths = np.array([17]), np.array([2])
+    drafts = np.array([-1, -1])
+    fast = _layout_arrays(sched, st, counts, widths, drafts, 2, set(), {"n": new}, set(), None)
+    slow = _layout_any(
+        sched, st, counts, widths, drafts, 2, set(), {"n": new}, lambda _: False, None, _fault(0)
+    )
+    assert fast == slow == (0, {"n": 1}, {"n": True})

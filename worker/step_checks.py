@@ -246,8 +246,9 @@ def _layout_arrays(
         length = np.concatenate([length, np.asarray(prompts, np.int64)])
         if held_blocks is not None:
             held_blocks = np.concatenate([held_blocks, zeros])
-    # no sums before the bounds hold: a count near the int64 limit would wrap past them
-    if (n > states.max_model_len).any():
+    # no sums before the bounds hold: a count near the int64 limit would wrap past them (a
+    # width of placeholders may still shrink by up to k below: the context is checked after)
+    if (n > states.max_model_len + k).any():
         return None
     if w.any():
         proposed = np.zeros(len(order), np.int64)
