@@ -804,13 +804,13 @@ class Scheduler:
         if not len(ids) and (asked == 0 or not req.num_speculative_tokens):
             req.draft_ids = req.last_drafts = NO_DRAFTS
             return
+        room = self._draft_room(req)
         try:
-            kept = self._take_request_drafts(req, ids)
+            kept = self._take_request_drafts(req, ids, room)
         except Exception as e:
             # the grammar failed on this request's drafts: it ends, the others take theirs
             self._finish(req, "error", f"validating drafts failed: {e!r:.300}")
             return
-        room = self._draft_room(req)
         want = room if asked < 0 else min(asked, room)
         if want > 0:
             # how much of what was asked this request can verify: what the drafter found,
@@ -836,37 +836,43 @@ class Scheduler:
             0,
         )
 
-    def _take_request_drafts(self, req: Request, ids: np.ndarray) -> int:
-        """Grammar-validate one request's fresh drafts (``ids`` int32 [width]); returns how many
-        of them it keeps (the grammar's forced tokens aside: they come whatever was asked, unless
-        nothing was, ``_take_fresh``)."""
+    def _take_request_drafts(self, req: Request, ids: np.ndarray, cap: int) -> int:
+        """Grammar-validate one request's fresh drafts (``ids`` int32 [width]), at most ``cap``
+        of them (``_draft_room``); returns how many it keeps (the grammar's forced tokens aside:
+        they come whatever was asked, unless nothing was, ``_take_fresh``). A few ids a request
+        a step: plain lists, and no array built where nothing was forced."""
         req.last_drafts = ids
         if req.matcher is None and not len(ids):
             req.draft_ids = NO_DRAFTS  # nothing proposed, nothing to cap
             return 0
-        cap = self._draft_room(req)
         ids = ids[:cap]
         if req.matcher is None:
             req.draft_ids = placeholders(len(ids))
             return len(ids)
-        if (ids < 0).any():
+        proposed = ids.tolist()
+        if proposed and min(proposed) < 0:
             req.metrics.num_stale += 1  # a structured request must get real ids: fail closed
             req.draft_ids = NO_DRAFTS
             return 0
-        valid = req.matcher.validate(ids.tolist())
-        req.metrics.num_grammar_invalid += len(ids) - valid
-        if len(ids):
+        valid = req.matcher.validate(proposed)
+        req.metrics.num_grammar_invalid += len(proposed) - valid
+        if proposed:
             # where the grammar cut the last drafts (None: it cut none, so no limit; the drafts
             # were as few as the drafter found or the tuner asked, not as the grammar allows)
-            req.grammar_kept = valid if valid < len(ids) else None
+            req.grammar_kept = valid if valid < len(proposed) else None
         real = ids[:valid].astype(np.int32)
         forced: list[int] = []
         if self.config.forced_drafts and valid < cap:
-            forced = req.matcher.forced_tokens(real.tolist(), cap - valid)
+            forced = req.matcher.forced_tokens(proposed[:valid], cap - valid)
             req.metrics.num_forced += len(forced)
-        req.grammar_drafts = np.concatenate([real, np.asarray(forced, np.int32)])
         # The worker keeps its own drafts (placeholders); forced ids travel as real ids.
-        req.draft_ids = np.concatenate([placeholders(valid), np.asarray(forced, np.int32)])
+        if forced:
+            extra = np.asarray(forced, np.int32)
+            req.grammar_drafts = np.concatenate([real, extra])
+            req.draft_ids = np.concatenate([placeholders(valid), extra])
+        else:
+            req.grammar_drafts = real
+            req.draft_ids = placeholders(valid)
         return valid
 
 
