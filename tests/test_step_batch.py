@@ -164,23 +164,12 @@ def test_the_array_layout_and_check_agree_with_a_request_at_a_time_for_drafting_
     agreed = refused = shrunk = 0
     for trial in range(600):
         st, blocks, sched, accepted, skip = _drafting_step(rng, trial)
-        counts = sched.num_scheduled_tokens.astype(np.int64)
         widths = sched.num_draft_tokens.astype(np.int64)
         drafts = sched.draft_token_ids.astype(np.int64)
 
-        def running(req_id: str, st: RequestStates = st) -> bool:
-            return req_id in st.slot_of
-
-        fast = _layout_arrays(sched, st, counts, widths, drafts, 3, skip, accepted, set(), blocks)
-        try:
-            slow = _layout_any(
-                sched, st, counts, widths, drafts, 3, skip, accepted, running, blocks, _fault(trial)
-            )
-        except StepError:
-            assert fast is None, trial
+        if not _checks_agree(sched, st, widths, drafts, 3, skip, accepted, set(), blocks):
             refused += 1
             continue
-        assert fast == slow, trial
         agreed += 1
         for req in sched.new_requests:
             if req.req_id not in skip:
@@ -234,32 +223,10 @@ def test_the_array_check_agrees_with_the_request_at_a_time_one() -> None:
         skip = {"n1"} if "n1" in new else set()
         accepted = {r: q for r, q in new.items() if r not in skip}
 
-        def running(req_id: str, st: RequestStates = st, gone: set[str] = gone) -> bool:
-            return req_id in st.slot_of and req_id not in gone
-
-        fault = _fault(trial)
-        fast = _layout_arrays(
-            sched, st, counts, counts * 0, np.zeros(0, np.int64), 2, skip, accepted, gone, blocks
-        )
-        try:
-            slow = _layout_any(
-                sched,
-                st,
-                counts,
-                counts * 0,
-                np.zeros(0, np.int64),
-                2,
-                skip,
-                accepted,
-                running,
-                blocks,
-                fault,
-            )
-        except StepError:
-            assert fast is None, trial
+        no_drafts = np.zeros(0, np.int64)
+        if not _checks_agree(sched, st, counts * 0, no_drafts, 2, skip, accepted, gone, blocks):
             refused += 1
             continue
-        assert fast == slow, trial
         agreed += 1
     assert agreed > 50 and refused > 50, (agreed, refused)
 
@@ -315,3 +282,33 @@ def test_a_count_past_the_context_that_its_caps_shrink_back_is_checked_as_arrays
         sched, st, counts, widths, drafts, 2, set(), {"n": new}, lambda _: False, None, _fault(0)
     )
     assert fast == slow == (0, {"n": 1}, {"n": True})
+
+
+def _checks_agree(
+    sched: SchedulerOutput,
+    st: RequestStates,
+    widths: np.ndarray,
+    drafts: np.ndarray,
+    k: int,
+    skip: set[str],
+    accepted: dict[str, NewRequest],
+    gone: set[str],
+    blocks: BlockTable | None,
+) -> bool:
+    """Whether ``_layout_any`` accepts the step; either way ``_layout_arrays`` must agree:
+    the same answer, or None where it refuses."""
+    counts = sched.num_scheduled_tokens.astype(np.int64)
+    fast = _layout_arrays(sched, st, counts, widths, drafts, k, skip, accepted, gone, blocks)
+
+    def running(req_id: str) -> bool:
+        return req_id in st.slot_of and req_id not in gone
+
+    try:
+        slow = _layout_any(
+            sched, st, counts, widths, drafts, k, skip, accepted, running, blocks, _fault(0)
+        )
+    except StepError:
+        assert fast is None, sched.step_id
+        return False
+    assert fast == slow, sched.step_id
+    return True

@@ -57,14 +57,18 @@ def pad_rows(x: torch.Tensor, cu_rows: list[int], width: int, fill: float) -> to
     """Flat rows [R, ...] -> [B, width, ...], padded with ``fill``."""
     b = len(cu_rows) - 1
     out = x.new_full((b, width, *x.shape[1:]), fill)
-    # flat row -> (request, column), on the host: repeat_interleave on the device would read
-    # its output size back (a sync)
-    lens = np.diff(np.asarray(cu_rows, np.int64))
-    req = np.repeat(np.arange(b), lens)
-    col = np.arange(int(cu_rows[-1])) - np.repeat(np.asarray(cu_rows[:-1], np.int64), lens)
-    index = to_device(np.stack([req, col]), x.device)  # [2, R]
+    # on the host: repeat_interleave on the device would read its output size back (a sync)
+    index = to_device(np.stack(_row_owners(cu_rows)), x.device)  # [2, R]
     out[index[0], index[1]] = x
     return out
+
+
+def _row_owners(cu_rows: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """Each flat logit row's (request, column): request j owns rows cu_rows[j] ..
+    cu_rows[j + 1] - 1."""
+    cu = np.asarray(cu_rows, np.int64)
+    lens = np.diff(cu)
+    return np.repeat(np.arange(len(lens)), lens), np.arange(int(cu[-1])) - np.repeat(cu[:-1], lens)
 
 
 def verify(inp: VerifyInput) -> VerifyOutput:
@@ -173,9 +177,7 @@ def _accept_arrays(
     miss[cu[1:] - 1] = True  # a request's bonus row verifies no draft
     first_miss = np.minimum.reduceat(np.where(miss, np.arange(rows), rows), cu[:-1])
     accepted = first_miss - cu[:-1]
-    lens = np.diff(cu)
-    req = np.repeat(np.arange(len(lens)), lens)
-    col = np.arange(rows) - np.repeat(cu[:-1], lens)
+    req, col = _row_owners(cu_rows)
     keep = col <= accepted[req]  # the accepted drafts' rows and the one after them
     tokens[req[keep], col[keep]] = argmax[keep]
     return tokens, accepted

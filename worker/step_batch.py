@@ -29,6 +29,30 @@ def flat_ranges(starts: object, counts: object) -> np.ndarray:
     )
 
 
+def placeholders_before(drafts: np.ndarray) -> np.ndarray:
+    """[len(drafts) + 1]: how many of ``drafts`` (a step's, flat) before each index are
+    placeholders (-1, the worker's own drafts)."""
+    return np.concatenate([[0], np.cumsum(drafts < 0)])
+
+
+def shrink_caps(
+    counts: np.ndarray,
+    widths: np.ndarray,
+    first_draft: np.ndarray,
+    held: np.ndarray,
+    have: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray] | None:
+    """Overlap scheduling: a width of placeholders only was chosen before the drafts existed,
+    and runs the drafts the worker has (``have``); a width with real ids in it was built from
+    drafts the scheduler saw and stands. Each request's (tokens, width) after that, or None
+    where none shrinks. ``first_draft``: each request's first draft in the step's flat drafts;
+    ``held``: ``placeholders_before`` of those drafts."""
+    shrink = (widths > have) & (held[first_draft + widths] - held[first_draft] == widths)
+    if not shrink.any():
+        return None
+    return np.where(shrink, counts - widths + have, counts), np.where(shrink, have, widths)
+
+
 class StepError(ValueError):
     """The scheduler's step disagrees with the worker's state; nothing of the step was applied.
     ``field`` names the message field at fault (``WorkerError.field``)."""
@@ -222,19 +246,11 @@ def _build_arrays(
     if skip:
         first_draft = first_draft[keep]
     sched_drafts = sched.draft_token_ids.astype(np.int64)
-    placeholder = sched_drafts < 0
     if sched.draft_widths_are_caps:
-        # overlap: a width of placeholders only was chosen before the drafts existed; run the
-        # ones the worker has (a width with real ids in it was built from drafts the scheduler
-        # saw)
         have = st.num_drafts[slots_np].astype(np.int64)
-        shrink = widths > have
-        if shrink.any() and not placeholder.all():
-            held = np.concatenate([[0], np.cumsum(placeholder)])  # placeholders before each
-            shrink &= held[first_draft + widths] - held[first_draft] == widths
-        if shrink.any():
-            counts = np.where(shrink, counts - widths + have, counts)
-            widths = np.where(shrink, have, widths)
+        shrunk = shrink_caps(counts, widths, first_draft, placeholders_before(sched_drafts), have)
+        if shrunk is not None:
+            counts, widths = shrunk
             ends = np.cumsum(counts)
             total = int(ends[-1])
     ran = counts - widths  # committed tokens each request runs, before its drafts

@@ -24,7 +24,7 @@ import numpy as np
 from protocol.messages import NewRequest, SchedulerOutput, StepBitmask
 from worker.block_table import BlockTable
 from worker.requests import RequestStates, WorkerRequestError
-from worker.step_batch import StepError
+from worker.step_batch import StepError, placeholders_before, shrink_caps
 
 Fault = Callable[..., StepError]
 
@@ -253,12 +253,9 @@ def _layout_arrays(
         proposed = np.zeros(len(order), np.int64)
         proposed[: len(old)] = states.num_drafts[slots]
         first = (np.cumsum(widths) - widths)[order]  # into drafts
-        held = np.concatenate([[0], np.cumsum(drafts < 0)])  # placeholders before each draft
-        if sched.draft_widths_are_caps:
-            # as build_step_batch does: a width of placeholders only shrinks to the proposal
-            shrink = (w > proposed) & (held[first + w] - held[first] == w)
-            n = np.where(shrink, n - w + proposed, n)
-            w = np.where(shrink, proposed, w)
+        held = placeholders_before(drafts)
+        if sched.draft_widths_are_caps:  # (as build_step_batch lays it out)
+            n, w = shrink_caps(n, w, first, held, proposed) or (n, w)
         # a placeholder past what the worker proposed: no draft of its own to run
         if (held[first + w] - held[first + np.minimum(proposed, w)] > 0).any():
             return None
