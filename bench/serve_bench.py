@@ -6,7 +6,8 @@
 
 For each drafter (none, ngram, eagle with ``--eagle-head``, ``embedded`` for the embedded SmolLM2)
 and each mode (sync, overlap = ``--async-scheduling``, pipelined = overlap and the worker's
-``--pipeline-steps``, default = neither flag given: what the worker's handshake makes of it) a worker is launched with ``--max-num-seqs``
+``--pipeline-steps``, chained = pipelined and the worker's ``--chain-drafts``, default = neither
+flag given: what the worker's handshake makes of it) a worker is launched with ``--max-num-seqs``
 the largest concurrency, and a ``specd-scheduler`` is connected to it (its caps come from the
 worker's handshake). The mixed workload (bench/workloads/mixed.jsonl: JSON, regex and choice
 constrained; bench/prompts.py: edit tasks and open chat, ``--max-tokens`` each, EOS ignored) is sent
@@ -182,7 +183,10 @@ def worker_cmd(
     # each mode but "default" pins both flags: left unset, a CUDA worker pipelines and its
     # scheduler overlaps with three steps in flight (a CPU worker: neither, and sync)
     if mode != "default":
-        cmd += ["--pipeline-steps" if mode == "pipelined" else "--no-pipeline-steps"]
+        piped = mode in ("pipelined", "chained")
+        cmd += ["--pipeline-steps" if piped else "--no-pipeline-steps"]
+    if mode == "chained":
+        cmd += ["--chain-drafts"]
     cmd += ["--metrics-port", str(metrics_port)]
     cmd += ["--load-format", a.load_format, "--drafter", drafter, "--log-level", "WARNING"]
     cmd += ["--max-num-seqs", str(max(a.concurrencies)), "--max-model-len", str(a.max_model_len)]
@@ -221,7 +225,7 @@ def served(
         sched_cmd = [sys.executable, "-m", "scheduler_client.daemon", "--worker", addr]
         sched_cmd += ["--port", "0"]
         if mode != "default":
-            overlap = mode in ("overlap", "pipelined")
+            overlap = mode in ("overlap", "pipelined", "chained")
             sched_cmd += ["--async-scheduling" if overlap else "--no-async-scheduling"]
         sched_cmd += shlex.split(a.scheduler_args)
         if a.log_dir:  # every step's sizes, widths and time (bench/step_trace.py reads it)
@@ -473,7 +477,7 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=["sync", "overlap"],
-        choices=("sync", "overlap", "pipelined", "default"),
+        choices=("sync", "overlap", "pipelined", "chained", "default"),
     )
     ap.add_argument("--eagle-head", default="embedded", help="with the eagle drafter")
     ap.add_argument(

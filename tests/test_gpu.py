@@ -95,6 +95,18 @@ def test_cuda_fp32_open_steps_greedy_equals_target_greedy(graphs: bool) -> None:
     run_arrivals_and_a_taken_slot(runner, ref)
 
 
+@pytest.mark.parametrize("graphs", [True, False], ids=["cuda-graphs", "eager"])
+def test_cuda_fp32_chained_drafting_steps_greedy_equal_target_greedy(graphs: bool) -> None:
+    """--chain-drafts on the device: prompt lookup's drafting steps left open, verified and
+    proposed after on the device, the next step's positions, cache rows and first token written
+    into the decode graph's inputs there (tests/test_chain_drafts.py)."""
+    from tests.test_chain_drafts import check_chained
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    check_chained("cuda", graphs)
+
+
 @pytest.mark.parametrize("kind", ["ngram", "draft_model", "eagle"])
 def test_cuda_fp32_a_drafter_turned_down_to_zero_leaves_its_steps_open(kind: str) -> None:
     """--pipeline-steps with a drafter whose proposals the tuner caps at zero on most steps: the
@@ -147,20 +159,23 @@ def test_cuda_fp32_eagle_drafting_graphs_replay_what_runs_eagerly() -> None:
     assert replayed == eager
 
 
-@pytest.mark.parametrize("drafter", ["none", "ngram"])
+@pytest.mark.parametrize("drafter", ["none", "ngram", "ngram-chain"])
 def test_cuda_served_worker_left_to_its_defaults_stays_greedy(
     drafter: str, target_dir: Path, tmp_path: Path
 ) -> None:
     """A launched CUDA worker and a scheduler given no mode flags (the served path's defaults;
     float32 for the comparison): the worker's handshake says it leaves steps open, the scheduler
     runs overlap with three steps in flight, steps are pipelined, chats equal target-only greedy
-    and structured greedy requests the sync CPU engine's."""
+    and structured greedy requests the sync CPU engine's. ``ngram-chain``: with --chain-drafts,
+    prompt lookup's drafting steps left open too."""
+    chain = ("--chain-drafts",) if drafter.endswith("-chain") else ()
+    drafter = drafter.removesuffix("-chain")
     from tests.test_overlap import check_greedy, check_structured_greedy
     from tests.test_pipeline_steps import worker_metric
     from tests.test_scheduler_e2e import engine, started_together
 
     log = tmp_path / "worker.log"
-    flags = ("--dtype", "float32", "--metrics-port", "-1")
+    flags = ("--dtype", "float32", "--metrics-port", "-1", *chain)
     sync, served = started_together(
         lambda: engine(target_dir, drafter),
         lambda: engine(
@@ -182,6 +197,8 @@ def test_cuda_served_worker_left_to_its_defaults_stays_greedy(
         assert served.num_worker_restarts == 0
         if drafter == "none":  # n-gram's steps are left open only where it proposes nothing
             assert worker_metric(log, "specd_worker_pipelined_steps_total") > 0
+        if chain:
+            assert worker_metric(log, "specd_worker_chained_steps_total") > 0
     finally:
         sync.close()
         served.close()

@@ -370,20 +370,23 @@ def test_pipelined_worker_structured_and_sampled_equal_the_plain_one(
 # -- three steps in flight (--max-steps-in-flight 3) -------------------------------------------
 
 
-@pytest.fixture(scope="module", params=["none", "ngram"])
+@pytest.fixture(scope="module", params=["none", "ngram", "ngram-chain"])
 def deep(
     request: pytest.FixtureRequest, target_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[tuple[Engine, Engine, Path]]:
     """A sync engine and one with three steps in flight (the worker pipelined where it can).
     The second leaves its mode to the worker, whose handshake says it leaves steps open: overlap
-    with three steps in flight (``resolve_mode``)."""
+    with three steps in flight (``resolve_mode``). ``ngram-chain``: its worker leaves prompt
+    lookup's drafting steps open too (``--chain-drafts``)."""
     log = tmp_path_factory.mktemp("deep") / "worker.log"
-    flags = ("--pipeline-steps", "--metrics-port", "-1")
+    drafter = request.param.removesuffix("-chain")
+    chain = ("--chain-drafts",) if request.param.endswith("-chain") else ()
+    flags = ("--pipeline-steps", "--metrics-port", "-1", *chain)
     sync, deep3 = started_together(
-        lambda: engine(target_dir, request.param),
+        lambda: engine(target_dir, drafter),
         lambda: engine(
             target_dir,
-            request.param,
+            drafter,
             async_scheduling=None,
             max_steps_in_flight=None,
             worker_args=flags,
@@ -409,6 +412,8 @@ def test_three_steps_in_flight_greedy_equals_target_greedy(
     assert deep3.num_worker_restarts == 0
     if deep3.config.drafter == "none":
         assert worker_metric(log, "specd_worker_pipelined_steps_total") > 0
+    if "--chain-drafts" in deep3.config.worker_args:
+        assert worker_metric(log, "specd_worker_chained_steps_total") > 0
 
 
 def test_three_steps_in_flight_structured_greedy_equals_sync(

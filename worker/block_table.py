@@ -121,3 +121,11 @@ class BlockTable:
         inside = logical < self.max_blocks_per_seq
         blocks = np.where(inside, self.table_np[slots, np.where(inside, logical, 0)], SCRATCH_BLOCK)
         return blocks * bs + positions % bs
+
+    def cache_rows_device(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``cache_rows`` on the device, from the device table (synced before a forward)."""
+        bs = self.block_size
+        logical = positions // bs
+        inside = logical < self.max_blocks_per_seq
+        blocks = self.table[slots, logical.clamp(max=self.max_blocks_per_seq - 1)]
+        return torch.where(inside, blocks, SCRATCH_BLOCK) * bs + positions % bs

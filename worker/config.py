@@ -102,6 +102,7 @@ class WorkerConfig:
     enforce_eager: bool = False
     enable_torch_compile: bool = False
     pipeline_steps: bool | None = None  # None: on for a CUDA worker of one rank, off otherwise
+    chain_drafts: bool = False  # with pipeline_steps: prompt lookup's drafting steps left open
 
     def transport(self) -> TransportConfig:
         return TransportConfig(
@@ -315,6 +316,15 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         "runs the kernels itself and an open step only delays its answer)",
     )
     ap.add_argument(
+        "--chain-drafts",
+        action="store_true",
+        help="with --pipeline-steps and --drafter ngram: leave a step that verifies or proposes "
+        "drafts open too, when every request in it is a greedy, unconstrained decode: it "
+        "verifies, places the accepted tokens and proposes the next drafts on the device, and "
+        "the step behind it is launched before its accepted counts reach the host (vLLM's async "
+        "scheduling with speculative decoding); other steps run as before",
+    )
+    ap.add_argument(
         "--metrics-port",
         type=int,
         default=d.metrics_port,
@@ -361,5 +371,6 @@ def parse_args(argv: list[str] | None) -> WorkerConfig:
         tp_init=a.tp_init,
         enforce_eager=a.enforce_eager,
         pipeline_steps=a.pipeline_steps,
+        chain_drafts=a.chain_drafts,
         enable_torch_compile=a.enable_torch_compile,
     )

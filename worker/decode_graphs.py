@@ -184,9 +184,12 @@ class DecodeGraphs:
         start_positions: list[int],
         num_tokens: list[int],
         logits_indices: torch.Tensor,
+        device_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Same contract as ``ModelExecutor.forward`` for a step that ``fits``: input_ids
-        [num_tokens_total] flat; returns (logits [num_logits, vocab], hidden [num_tokens_total, H])."""
+        [num_tokens_total] flat; returns (logits [num_logits, vocab], hidden [num_tokens_total, H]).
+        With ``device_starts`` [num_reqs] the real requests' positions and cache rows are
+        written on the device from those (``start_positions``: upper bounds, for the bucket)."""
         num_reqs = len(slots)
         self.num_forwards += 1
         w = max(num_tokens)
@@ -211,6 +214,13 @@ class DecodeGraphs:
         d_ids, d_pos, d_map, d_slots, d_dest = shape.split(shape.buf.inputs)
         d_dest = d_dest[:total]
         d_ids[d_dest] = input_ids
+        if device_starts is not None:
+            real_d = (device_starts[:, None] + torch.arange(w, device=self.device)).view(-1)
+            n = num_reqs * w
+            d_pos[:n] = real_d
+            d_map[:n] = cache.blocks.cache_rows_device(
+                d_slots[:num_reqs].repeat_interleave(w), real_d
+            )
         if shape.graph is not None:
             shape.graph.replay()
             logits, hidden = shape.logits, shape.hidden

@@ -44,6 +44,11 @@ class WorkerMetrics:
             "Steps launched while the step before was still open (--pipeline-steps)",
             registry=r,
         )
+        self.chained = Counter(
+            "specd_worker_chained_steps_total",
+            "Steps that verify or propose drafts left open (--chain-drafts)",
+            registry=r,
+        )
         self.running = Gauge(
             "specd_worker_running_requests", "Requests holding a KV slot", registry=r
         )

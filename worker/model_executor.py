@@ -181,10 +181,14 @@ class ModelExecutor:
         start_positions: list[int],
         num_tokens: list[int],
         logits_indices: torch.Tensor,
+        device_starts: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One forward over a flat batch.
 
         input_ids, positions: [num_tokens_total]; logits_indices: [num_logits] rows to project.
+        ``device_starts`` [B] (a chained step, ``worker.chain``; the decode graphs' path only):
+        each request's first position on the device, where ``start_positions`` are upper bounds
+        (the blocks are held up to those).
         Returns (logits [num_logits, vocab] float32, hidden states [num_tokens_total, hidden]).
         Each slot first holds KV blocks up to its last new position (``KVCacheFull`` if none
         are left: the caller's accounting failed).
@@ -193,9 +197,12 @@ class ModelExecutor:
             slots, [s + n for s, n in zip(start_positions, num_tokens, strict=True)]
         )
         if self.decode.fits(num_tokens, start_positions):
-            out = self.decode.forward(input_ids, slots, start_positions, num_tokens, logits_indices)
+            out = self.decode.forward(
+                input_ids, slots, start_positions, num_tokens, logits_indices, device_starts
+            )
             self._rows = self.decode.last_rows
             return out
+        assert device_starts is None, "a chained step runs on the decode graphs' path"
         if self.ragged is not None and self.ragged.fits(len(input_ids), len(slots)):
             hidden = self.ragged.forward(input_ids, slots, start_positions, num_tokens)
             self._rows = self.ragged.last_rows

@@ -22,8 +22,10 @@ import numpy as np
 import torch
 
 from protocol.messages import DraftTokenIds, ModelRunnerOutput, SchedulerOutput, StepBitmask
+from worker.chain import ACCEPTED, FOUND, HEAD, START, USED, DeviceMirror
 from worker.draft_tokens import DraftTokensHandler
 from worker.drafters.base import Drafter, NoDrafter
+from worker.drafters.ngram import NgramDrafter
 from worker.grammar_rows import apply_grammar, plan_deferred, plan_grammar
 from worker.host_copy import HostCopy, to_device
 from worker.model_executor import ModelExecutor
@@ -64,6 +66,11 @@ class LaunchedStep:
     committed: list[int] = field(default_factory=list)  # [S] (open) each sampler's length after it
     plan: DraftPlan | None = None  # what is proposed after it (``read_output`` sets it)
     open: bool = False
+    # an open step that verifies or proposes drafts (``--chain-drafts``): its copy is packed
+    # (``worker.chain``) and the host committed it as if every draft were accepted
+    chained: bool = False
+    widths: np.ndarray | None = None  # [S] (chained) the widths proposed after it, upper bounds
+    found: np.ndarray | None = None  # [S] (chained, once read) the drafts found at those widths
     device_tokens: torch.Tensor | None = None
     owners: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     _copy: HostCopy | None = None
@@ -80,8 +87,12 @@ class LaunchedStep:
 
     def read_tokens(self) -> np.ndarray:
         """[S, 1] on the host: the one designed sync for an open step's sampled tokens."""
+        return self.read_copy()[:, None]
+
+    def read_copy(self) -> np.ndarray:
+        """What ``hold`` queued, on the host (int64): a chained step's packed rows."""
         assert self._copy is not None
-        return self._copy.read().astype(np.int64)[:, None]
+        return self._copy.read().astype(np.int64)
 
 
 class ModelRunner:
@@ -93,6 +104,7 @@ class ModelRunner:
         max_num_seqs: int,
         max_model_len: int,
         max_num_draft_tokens: int,
+        chain_drafts: bool = False,
     ) -> None:
         self.target = target
         self.drafter = drafter
@@ -120,6 +132,12 @@ class ModelRunner:
         self._open: list[LaunchedStep] = []  # launched with hold, not finished yet
         # what a step that asks for no drafts hands the DraftTokensHandler (never read there)
         self._no_drafts = torch.zeros((0, 1), dtype=torch.long, device=self.device)
+        # --chain-drafts: prompt lookup's drafting steps left open (worker/chain.py)
+        self.mirror: DeviceMirror | None = None
+        if chain_drafts and isinstance(drafter, NgramDrafter):
+            self.mirror = DeviceMirror(self.states, max(max_num_draft_tokens, 1))
+        # slot -> the step after which its drafts were last proposed on the device
+        self._proposed_at = np.full(max_num_seqs, -1, np.int64)
 
     # -- the step -------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -152,6 +170,8 @@ class ModelRunner:
         is done in advance (each sampling request's length moves on by one token whose value is
         still on the device). The next step may then be launched before this one is finished:
         its layout reads those tokens on the device. ``finish`` reads them and answers."""
+        chained = hold and self.may_chain(sched)
+        assert chained or not any(s.chained for s in self._open), "answer the chained step first"
         try:
             rejected = check_step(
                 sched,
@@ -171,7 +191,12 @@ class ModelRunner:
             step = LaunchedStep(sched, batch, rejected)
             if not batch.req_ids:  # a step that only finishes or adds requests
                 return step
-            self._fill_open_tokens(batch)
+            starts = None
+            if chained:
+                assert self.mirror is not None
+                starts = self.mirror.first_tokens(batch)
+            else:
+                self._fill_open_tokens(batch)
             logits, hidden = self.target.forward(
                 batch.input_ids,
                 batch.positions,
@@ -179,6 +204,7 @@ class ModelRunner:
                 batch.start_positions,
                 batch.num_scheduled,
                 batch.logits_indices,
+                device_starts=starts,
             )  # logits [num_logit_rows, vocab]
             if self.drafter.needs_hidden_states:
                 # queued behind the forward now, not after the step's tokens reach the host
@@ -200,6 +226,9 @@ class ModelRunner:
             for slot in self.states.slot_of.values():
                 self.target.kv_cache.trim(slot, int(self.states.num_computed[slot]))
             raise
+        if chained:
+            self._chain(step, logits)
+            return step
         if hold and self.may_hold(sched, batch):
             self._hold(step, logits, hidden)
             return step
@@ -208,6 +237,8 @@ class ModelRunner:
             num_accepted[j] = min(int(num_accepted[j]), cap)
         step.num_sampled = self.commit(batch, tokens, num_accepted)
         step.tokens, step.num_accepted = tokens, num_accepted
+        if self.mirror is not None:
+            self.mirror.from_host(np.asarray(batch.slots, np.int64)[batch.sample_idx])
         if self.drafter.needs_hidden_states:
             self.feed_hidden_states(batch, num_accepted)
         return step
@@ -228,6 +259,8 @@ class ModelRunner:
         self.draft_tokens.begin_step(step.sched.step_id)
         batch = step.batch
         live: list[bool] | None = None  # per sampler: still in its slot (open steps only)
+        if step.chained:
+            return self._read_chained(step)
         if step.open:
             self._open.remove(step)
             step.tokens = step.read_tokens()
@@ -256,9 +289,133 @@ class ModelRunner:
 
     @torch.inference_mode()
     def propose_after(self, step: LaunchedStep) -> None:
-        """The drafts proposed after a step whose output was read (``read_output``)."""
-        if step.plan is not None:
-            self.propose_drafts(step.batch, step.plan)
+        """The drafts proposed after a step whose output was read (``read_output``); a chained
+        step's were proposed on the device at its launch, and only their counts are set."""
+        if step.plan is None:
+            return
+        if step.chained:
+            plan, batch = step.plan, step.batch
+            req_ids = [batch.req_ids[i] for i in batch.sample_idx]
+            found = np.zeros(len(plan.slots), np.int64) if plan.left else step.found
+            self.draft_tokens.set_draft_tokens(
+                req_ids, self._no_drafts, found, plan.lengths, np.zeros(len(found), bool)
+            )
+            return
+        self.propose_drafts(step.batch, step.plan, step.sched.step_id)
+
+    def may_chain(self, sched: SchedulerOutput) -> bool:
+        """``--chain-drafts``: whether the step is launched chained (left open whatever it
+        verifies or proposes; ``worker.chain``). Every request a greedy, unconstrained decode
+        already running, whose drafts are the worker's own (placeholder caps), with room in its
+        context for this step and the next one's widest, on the decode graphs' path; no new
+        request and no grammar rows. A step that may not be chained is launched only once an
+        open chained step is answered (``WorkerLoop.step``)."""
+        if self.mirror is None or not sched.req_ids or sched.new_requests:
+            return False
+        if sched.grammar_bitmask is not None or sched.deferred_req_ids or sched.structured_req_ids:
+            return False
+        if not sched.draft_widths_are_caps or (sched.draft_token_ids >= 0).any():
+            return False
+        st = self.states
+        slots = [st.slot_of.get(r, -1) for r in sched.req_ids]
+        if min(slots) < 0 or len(set(slots)) != len(slots):
+            return False
+        counts = sched.num_scheduled_tokens.astype(np.int64)
+        if counts.shape != sched.num_draft_tokens.shape or len(counts) != len(slots):
+            return False
+        s = np.asarray(slots, np.int64)
+        computed = st.num_computed[s]
+        if ((counts - sched.num_draft_tokens) != 1).any() or (
+            computed + 1 != st.num_tokens[s]
+        ).any():
+            return False
+        if (
+            st.structured[s].any()
+            or (st.num_tokens[s] + counts + self.max_num_draft_tokens + 1 > st.max_model_len).any()
+        ):
+            return False
+        if any(st.sampling[i].temperature != 0 for i in slots):  # type: ignore[union-attr]
+            return False
+        return self.target.decode.fits(counts.tolist(), computed.tolist())
+
+    def _chain(self, step: LaunchedStep, logits: torch.Tensor) -> None:
+        """Leave a drafting step open (``worker.chain``): verify, place the accepted tokens and
+        propose on the device, queue the packed copy to the host, and commit on the host as if
+        every draft were accepted. ``_read_chained`` puts the host right."""
+        assert self.mirror is not None and isinstance(self.drafter, NgramDrafter)
+        batch, st = step.batch, self.states
+        slots = np.asarray(batch.slots, np.int64)
+        counts = np.asarray(batch.num_scheduled, np.int64)
+        packed = self.mirror.verify(logits, batch)
+        after = st.num_tokens[slots] + counts  # every draft accepted: an upper bound
+        # upper bounds here; the room on the true lengths is held on the device (``propose``)
+        cap = step.sched.max_draft_proposals
+        widths = np.zeros(len(slots), np.int64)
+        if cap != 0:
+            widths = (
+                st.num_speculative[slots] if cap < 0 else np.minimum(st.num_speculative[slots], cap)
+            )
+        self.mirror.propose(
+            packed,
+            slots,
+            widths,
+            int(after.max()),
+            self.drafter.min_n,
+            self.drafter.max_n,
+            st.draft_token_ids,
+        )
+        step.hold(packed)
+        step.chained, step.widths = True, widths
+        st.num_computed[slots] += counts
+        st.num_tokens[slots] = after
+        st.num_drafts[slots] = widths
+        self._proposed_at[slots] = step.sched.step_id
+        step.owners = np.stack([slots, st.generation[slots], np.zeros_like(slots)], axis=1)
+        self._open.append(step)
+
+    def _read_chained(
+        self, step: LaunchedStep
+    ) -> tuple[ModelRunnerOutput, list[WorkerRequestError]]:
+        """A chained step's packed copy read: the host's lengths put right (less the drafts not
+        accepted), its tokens written, its blocks past the true length given back, and its
+        output. The drafts proposed after it are counted (``FOUND``) where no later step has
+        proposed for the request since."""
+        assert self.mirror is not None and step.widths is not None
+        self._open.remove(step)
+        st, batch = self.states, step.batch
+        rows = step.read_copy()
+        start, accepted, used = rows[:, START], rows[:, ACCEPTED], rows[:, USED]
+        tokens = rows[:, HEAD:]
+        slots, generations = step.owners[:, 0], step.owners[:, 1]
+        alive = st.generation[slots] == generations
+        counts = np.asarray(batch.num_scheduled, np.int64)
+        cols = np.arange(tokens.shape[1])[None, :]
+        kept = cols <= accepted[:, None]
+        s, a = slots[alive], alive[:, None] & kept
+        over = (counts - accepted - 1)[alive]
+        st.num_tokens[s] -= over
+        st.num_computed[s] -= over
+        r, c = np.nonzero(a)
+        st.token_ids[slots[r], start[r] + c] = tokens[r, c]
+        self.mirror.known[s] = np.maximum(self.mirror.known[s], (start + accepted + 1)[alive])
+        mine = alive & (self._proposed_at[slots] == step.sched.step_id)
+        st.num_drafts[slots[mine]] = rows[mine, FOUND]
+        blocks = self.target.kv_cache.blocks
+        for j in np.flatnonzero(blocks.blocks_for(st.num_computed[s]) < blocks.num_held[s]):
+            self.target.kv_cache.trim(int(s[j]), int(st.num_computed[s[j]]))
+        self.num_steps += 1
+        step.tokens = np.where(kept, tokens, -1)
+        step.num_accepted = accepted
+        step.num_sampled = (accepted + 1).tolist()
+        batch.num_drafts = used.tolist()  # the drafts verified: what the output reports
+        step.found = rows[:, FOUND]
+        left = not alive.all()
+        step.plan = DraftPlan(
+            slots.tolist(), start + accepted + 1, (step.widths * (not left)).tolist(), left
+        )
+        return self.output(
+            step.sched.step_id, batch, step.tokens, step.num_sampled, step.num_accepted
+        ), step.rejected
 
     def may_hold(self, sched: SchedulerOutput, batch: StepBatch) -> bool:
         """A step may be left open when it samples, verifies no drafts and proposes none after
@@ -291,6 +448,9 @@ class ModelRunner:
         slots = np.asarray(batch.slots, np.int64)[batch.sample_idx]
         n = st.num_tokens[slots]
         room = n < st.max_model_len  # as ``RequestStates.append``: past the end, not kept
+        if self.mirror is not None:
+            self.mirror.from_host(slots)
+            self.mirror.held(slots, np.where(room, n, -1), sampled)
         st.num_tokens[slots] = n + room
         step.owners = np.stack([slots, st.generation[slots], np.where(room, n, -1)], axis=1)
         step.committed = (n + room).tolist()
@@ -372,9 +532,13 @@ class ModelRunner:
         self.release(sched)
         refused = {e.req_id for e in rejected}
         added = [r.req_id for r in sched.new_requests if r.req_id not in refused]
-        for req in sched.new_requests:
-            if req.req_id not in refused:
-                self.states.add(req, self.max_num_draft_tokens)
+        slots = [
+            self.states.add(req, self.max_num_draft_tokens)
+            for req in sched.new_requests
+            if req.req_id not in refused
+        ]
+        if self.mirror is not None and slots:
+            self.mirror.add(slots)
         return added
 
     def accept(
@@ -548,12 +712,13 @@ class ModelRunner:
             widths = (room if cap < 0 else np.minimum(room, cap)).tolist()
         return DraftPlan(slots, lengths, widths, left)
 
-    def propose_drafts(self, batch: StepBatch, plan: DraftPlan) -> None:
+    def propose_drafts(self, batch: StepBatch, plan: DraftPlan, step_id: int = -1) -> None:
         """Drafts for every request that sampled, at the widths of ``plan``.
 
         Every request that sampled is listed in the step's ``DraftTokenIds`` (the scheduler
         waits for one after an output that sampled), with its length after the step; after an
-        open step that a request left, every request is listed with width 0."""
+        open step that a request left, every request is listed with width 0. ``step_id``: the
+        step proposed after (a request a later chained step has proposed for keeps those)."""
         st = self.states
         slots, lengths, widths, left = plan
         req_ids = [batch.req_ids[i] for i in batch.sample_idx]
@@ -567,7 +732,7 @@ class ModelRunner:
             # at batch 64 (CPU)
             none = np.zeros(len(slots), np.int64)
             if not left:
-                st.num_drafts[slots] = 0
+                st.num_drafts[np.asarray(slots)[self._proposed_at[slots] <= step_id]] = 0
             self.draft_tokens.set_draft_tokens(
                 req_ids, self._no_drafts, none, lengths, none.astype(bool)
             )
@@ -575,6 +740,9 @@ class ModelRunner:
         proposal = self.drafter.propose(st, slots, widths)
         num = np.asarray(proposal.num_drafts, np.int64)
         st.num_drafts[slots] = num
+        if self.mirror is not None:  # what a chained step behind verifies at the most
+            both = to_device(np.concatenate([slots, num]), self.device)
+            self.mirror.found[both[: len(slots)]] = both[len(slots) :]
         if num.any():
             # one scatter for the batch; columns past a request's num_drafts are never read
             width = min(proposal.token_ids.shape[1], st.draft_token_ids.shape[1])

@@ -154,6 +154,7 @@ def build_runner(cfg: WorkerConfig) -> tuple[ModelRunner, WorkerReady]:
         max_num_seqs=cfg.max_num_seqs,
         max_model_len=cfg.max_model_len,
         max_num_draft_tokens=k,
+        chain_drafts=cfg.chain_drafts and cfg.tensor_parallel_size == 1,
     )
     if isinstance(drafter, EagleDrafter) and executor.decode.use_graphs:
         t1 = time.monotonic()  # (the head's graphs need its cache, made when the runner binds it)
@@ -409,6 +410,11 @@ class WorkerLoop:
                     f"--max-num-batched-tokens {self.ready.max_num_batched_tokens}",
                     field="num_scheduled_tokens",
                 )
+            if before is not None and before[1].chained and not self.runner.may_chain(sched):
+                # a chained step's host lengths are upper bounds: only a chained step is laid
+                # out behind it, any other after it is answered
+                opened, before = before, None
+                self.answer(*opened)
             launched = self.runner.launch(sched, answer_before_rows, hold=self.pipeline)
         except StepError as e:
             if before is not None:
@@ -433,6 +439,8 @@ class WorkerLoop:
             self.metrics.pipelined.inc()
             self.answer(*before, held=True)
         self.last_step_id = sched.step_id
+        if launched.chained:
+            self.metrics.chained.inc()
         if launched.open:
             self.open_step = running
         else:
