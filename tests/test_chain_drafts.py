@@ -54,7 +54,7 @@ class Chained(Overlapped):
         self.closed_first = 0
 
     def step(self, s: SchedulerOutput) -> None:
-        if self.open is not None and self.open.chained and not self.r.may_chain(s):
+        if self.open is not None and self.open.bounds and not self.r.may_chain(s):
             self.closed_first += 1
             self.drain()
         launched = self.r.launch(s, hold=True)
@@ -242,3 +242,25 @@ def test_chained_drafts_are_the_closed_drafts() -> None:
         closed, chained = both_ways(schedule)
         assert closed.verified == chained.verified, (caps, max_tokens, stop)
         assert closed.out == chained.out
+
+
+def test_steps_without_drafts_are_held_unless_a_chained_step_is_open() -> None:
+    """The tuner at zero width: a step that verifies and proposes nothing is held, as without
+    --chain-drafts (the cheaper open step), except right behind a chained step, which it is
+    chained behind rather than wait for."""
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]
+    new = NewRequest("a", np.array(prompt, np.int32), SamplingParams(max_tokens=40), K)
+    caps = [4, 4, 0, 0, 0, 0]
+    drv = Chained(chain_runner(5, True)[0])
+    drv.step(step_of(0, {"a": len(prompt)}, new=[new], cap=0))
+    kinds = []
+    for i, cap in enumerate(caps, 1):
+        width = K if i > 1 and caps[i - 2] else 0  # the cap of the step before
+        drv.step(step_of(i, {"a": 1 + width}, {"a": width}, cap=cap))
+        kinds.append("chained" if drv.open.chained else "held")  # type: ignore[union-attr]
+    drv.drain()
+    # 1: proposes; 2: verifies and proposes; 3: verifies; 4: behind a chained step (and verifies
+    # and proposes nothing: exact); 5, 6: held (5 behind that exact one)
+    assert kinds == ["chained", "chained", "chained", "chained", "held", "held"], kinds
+    ref = reference_copy(tiny_model("llama", 5)).eval()
+    assert drv.out["a"] == greedy_reference(ref, prompt, len(drv.out["a"]))

@@ -69,11 +69,19 @@ class LaunchedStep:
     # an open step that verifies or proposes drafts (``--chain-drafts``): its copy is packed
     # (``worker.chain``) and the host committed it as if every draft were accepted
     chained: bool = False
+    quiet: bool = False  # (chained) it verified and proposed no drafts
+    exact: bool = False  # (quiet, and nothing open before it leaves bounds) the host is exact
     widths: np.ndarray | None = None  # [S] (chained) the widths proposed after it, upper bounds
     found: np.ndarray | None = None  # [S] (chained, once read) the drafts found at those widths
     device_tokens: torch.Tensor | None = None
     owners: np.ndarray = field(default_factory=lambda: np.zeros((0, 3), np.int64))
     _copy: HostCopy | None = None
+
+    @property
+    def bounds(self) -> bool:
+        """A chained step that leaves upper bounds on the host: only a chained step may be laid
+        out behind it."""
+        return self.chained and not self.exact
 
     def hold(self, sampled: torch.Tensor) -> None:
         """Keep ``sampled`` [S] on the device and queue its copy into pinned host memory."""
@@ -171,7 +179,7 @@ class ModelRunner:
         still on the device). The next step may then be launched before this one is finished:
         its layout reads those tokens on the device. ``finish`` reads them and answers."""
         chained = hold and self.may_chain(sched)
-        assert chained or not any(s.chained for s in self._open), "answer the chained step first"
+        assert chained or not any(s.bounds for s in self._open), "answer the chained step first"
         try:
             rejected = check_step(
                 sched,
@@ -308,10 +316,18 @@ class ModelRunner:
         verifies or proposes; ``worker.chain``). Every request a greedy, unconstrained decode
         already running, whose drafts are the worker's own (placeholder caps), with room in its
         context for this step and the next one's widest, on the decode graphs' path; no new
-        request and no grammar rows. A step that may not be chained is launched only once an
+        request and no grammar rows; and, unless a chained step is open, drafts to verify or to
+        propose. A step that may not be chained is launched only once an
         open chained step is answered (``WorkerLoop.step``)."""
         if self.mirror is None or not sched.req_ids or sched.new_requests:
             return False
+        if not sched.num_draft_tokens.any() and not any(s.bounds for s in self._open):
+            # verifies nothing: held (``may_hold``) where it proposes nothing either, a plain
+            # open step being the cheaper one; behind a chained step it is chained all the same
+            st = self.states
+            slots = [st.slot_of.get(r, -1) for r in sched.req_ids]
+            if sched.max_draft_proposals == 0 or not st.num_speculative[slots].any():
+                return False
         if sched.grammar_bitmask is not None or sched.deferred_req_ids or sched.structured_req_ids:
             return False
         if not sched.draft_widths_are_caps or (sched.draft_token_ids >= 0).any():
@@ -368,10 +384,34 @@ class ModelRunner:
         step.chained, step.widths = True, widths
         st.num_computed[slots] += counts
         st.num_tokens[slots] = after
+        # the mirror holds what the host now counts (true or upper bound): nothing of it is
+        # copied from the host, whose tokens come when the step is read
+        self.mirror.known[slots] = after
         st.num_drafts[slots] = widths
         self._proposed_at[slots] = step.sched.step_id
+        step.quiet = not any(batch.num_drafts) and not widths.any()
         step.owners = np.stack([slots, st.generation[slots], np.zeros_like(slots)], axis=1)
         self._open.append(step)
+        self._settle()
+
+    def _settle(self) -> None:
+        """The last open step, chained, quiet (it verified and proposed nothing) and with no
+        step before it leaving upper bounds, is exact: every length the host holds is, and a
+        held step may be laid out behind it, its token read as an open step's
+        (``_fill_open_tokens``). Checked when it is launched and when the step before it is
+        read."""
+        if not self._open:
+            return
+        step = self._open[-1]
+        if not step.quiet or step.exact or any(s.bounds for s in self._open[:-1]):
+            return
+        st = self.states
+        slots, generations = step.owners[:, 0], step.owners[:, 1]
+        alive = st.generation[slots] == generations
+        step.owners[:, 2] = np.where(alive, st.num_tokens[slots] - 1, -1)
+        assert step.device_tokens is not None
+        step.device_tokens = step.device_tokens[:, HEAD]
+        step.exact = True
 
     def _read_chained(
         self, step: LaunchedStep
@@ -397,12 +437,13 @@ class ModelRunner:
         st.num_computed[s] -= over
         r, c = np.nonzero(a)
         st.token_ids[slots[r], start[r] + c] = tokens[r, c]
-        self.mirror.known[s] = np.maximum(self.mirror.known[s], (start + accepted + 1)[alive])
+        self.mirror.known[s] = st.num_tokens[s]  # (later open steps' upper bounds included)
         mine = alive & (self._proposed_at[slots] == step.sched.step_id)
         st.num_drafts[slots[mine]] = rows[mine, FOUND]
         blocks = self.target.kv_cache.blocks
         for j in np.flatnonzero(blocks.blocks_for(st.num_computed[s]) < blocks.num_held[s]):
             self.target.kv_cache.trim(int(s[j]), int(st.num_computed[s[j]]))
+        self._settle()
         self.num_steps += 1
         step.tokens = np.where(kept, tokens, -1)
         step.num_accepted = accepted

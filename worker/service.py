@@ -410,7 +410,7 @@ class WorkerLoop:
                     f"--max-num-batched-tokens {self.ready.max_num_batched_tokens}",
                     field="num_scheduled_tokens",
                 )
-            if before is not None and before[1].chained and not self.runner.may_chain(sched):
+            if before is not None and before[1].bounds and not self.runner.may_chain(sched):
                 # a chained step's host lengths are upper bounds: only a chained step is laid
                 # out behind it, any other after it is answered
                 opened, before = before, None
