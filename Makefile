@@ -6,7 +6,7 @@ TORCH_VERSION ?= 2.13.0
 TRITON_VERSION ?= 3.9.0
 
 .DEFAULT_GOAL := help
-.PHONY: help setup test test-long hostile mutants lint format run bench bench-protocol image image-test bundle clean serve
+.PHONY: help setup test test-long fuzz-chain hostile mutants lint format run bench bench-protocol image image-test bundle clean serve
 
 help:  ## list the tasks
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-16s %s\n", $$1, $$2}'
@@ -28,6 +28,9 @@ test: ## run the test suite (CPU), the heavy runs marked `long` left out
 
 test-long: ## the heavy runs marked `long` (data parallel, TP daemons and 3 of 4 TP pairs, the restart window, the daemon replay, compiled layers)
 	$(PY) -m pytest -q -ra -m long
+
+fuzz-chain: ## 600 randomized schedules with --chain-drafts against the closed path, step by step (FUZZ_ARGS='START COUNT'); make test runs 12
+	$(PY) -m tests.chain_fuzz $(or $(FUZZ_ARGS),0 600)
 
 hostile: ## 10,000 generated hostile HTTP requests against a running specd-scheduler (HOSTILE_ARGS='--count N --seed S'); fails on a 5xx, no answer in 5 s, a changed good output or an exit
 	$(PY) tools/hostile.py $(HOSTILE_ARGS)

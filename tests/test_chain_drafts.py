@@ -264,3 +264,16 @@ def test_steps_without_drafts_are_held_unless_a_chained_step_is_open() -> None:
     assert kinds == ["chained", "chained", "chained", "chained", "held", "held"], kinds
     ref = reference_copy(tiny_model("llama", 5)).eval()
     assert drv.out["a"] == greedy_reference(ref, prompt, len(drv.out["a"]))
+
+
+def test_a_sample_of_the_chain_fuzz() -> None:
+    """Twelve of ``make fuzz-chain``'s randomized schedules (tests/chain_fuzz.py): chained and
+    closed alike, step by step, at every checkpoint and against target-only greedy."""
+    from tests.chain_fuzz import run_schedule
+
+    chained = 0
+    for seed in range(12):
+        res = run_schedule(seed)
+        assert not res["findings"], (seed, res["findings"][:3])
+        chained += res["stats"]["chained"]
+    assert chained > 50
